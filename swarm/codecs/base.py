@@ -1,0 +1,93 @@
+"""The codec interface: tensor formats that turn a 2-D float tensor into bytes and back.
+
+A boundary payload is always a matrix whose rows are tokens (``n x m``): the full
+activation (``m = d``), subspace coordinates (``m = k``) or MAPL coordinates (``m = r``).
+A :class:`TensorFormat` owns how such a matrix becomes bytes; the boundary codecs in
+:mod:`swarm.codecs.boundary` decide *which* matrix crosses the wire.
+
+Every decoder validates what it is given (sizes, shape limits, finiteness) and raises
+:class:`PayloadError` with a message that says what was wrong; it never returns garbage.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+MAX_ROWS = 1 << 20
+MAX_COLS = 1 << 16
+
+
+class PayloadError(ValueError):
+    """A payload that cannot be decoded: wrong size, shape, version, or non-finite values."""
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """A matrix serialised by a :class:`TensorFormat`: what travels on the wire."""
+
+    format: str
+    rows: int
+    cols: int
+    data: bytes
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.data)
+
+
+def check_shape(rows: int, cols: int) -> None:
+    """Reject shapes that are negative or larger than any boundary could need."""
+    if not (0 <= rows <= MAX_ROWS and 0 < cols <= MAX_COLS):
+        raise PayloadError(f"shape {rows}x{cols} outside [0, {MAX_ROWS}] x [1, {MAX_COLS}]")
+
+
+def check_finite(x: torch.Tensor, what: str) -> None:
+    """Raise :class:`PayloadError` if ``x`` holds NaN or Inf."""
+    if not bool(torch.isfinite(x).all()):
+        raise PayloadError(f"{what} holds non-finite values")
+
+
+def check_size(data: bytes, expected: int, what: str) -> None:
+    """Raise :class:`PayloadError` unless ``len(data) == expected``."""
+    if len(data) != expected:
+        raise PayloadError(f"{what}: expected {expected} bytes, got {len(data)}")
+
+
+class TensorFormat(ABC):
+    """Serialises an ``n x m`` float tensor to bytes and back.
+
+    Subclasses set ``name`` (the id that travels on the wire) and implement
+    :meth:`_encode` / :meth:`_decode`; the base class checks shapes and finiteness on
+    both sides so a subclass only deals with well-formed input.
+    """
+
+    name: ClassVar[str]
+
+    def encode(self, x: torch.Tensor) -> EncodedTensor:
+        """Serialise ``x`` (2-D, finite). Raises :class:`PayloadError` on NaN/Inf input."""
+        if x.dim() != 2:
+            raise PayloadError(f"{self.name}: expected a 2-D tensor, got shape {tuple(x.shape)}")
+        check_shape(*x.shape)
+        check_finite(x, f"{self.name} input")
+        return EncodedTensor(self.name, x.shape[0], x.shape[1], self._encode(x.detach()))
+
+    def decode(
+        self, payload: EncodedTensor, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    ) -> torch.Tensor:
+        """Rebuild the matrix; validates format, shape, byte count and finiteness."""
+        if payload.format != self.name:
+            raise PayloadError(f"payload format {payload.format!r} given to decoder {self.name!r}")
+        check_shape(payload.rows, payload.cols)
+        out = self._decode(payload.data, payload.rows, payload.cols)
+        check_finite(out, f"decoded {self.name} payload")
+        return out.to(device=device, dtype=dtype)
+
+    @abstractmethod
+    def _encode(self, x: torch.Tensor) -> bytes: ...
+
+    @abstractmethod
+    def _decode(self, data: bytes, rows: int, cols: int) -> torch.Tensor: ...

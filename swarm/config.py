@@ -1,0 +1,205 @@
+"""Run configuration: one dataclass per concern, loadable from TOML, hashed for the wire.
+
+The coordinator serves exactly this object to every node; its :func:`config_hash` is
+what a node checks so that all stages run the same model, codec and schedule.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+
+Compression = Literal["none", "subspace", "mapl"]
+
+
+@dataclass
+class ModelConfig:
+    """A LLaMA-style decoder.
+
+    ``subspace_rank > 0`` turns on the Subspace Networks constraint: every matrix that
+    writes to the residual stream has its rows in one shared ``k``-dimensional subspace,
+    and the token embedding is a frozen full-rank part plus a trainable part in it.
+    ``constrain_writes=False`` keeps the basis (for the subspace codec) but leaves the
+    model dense: the ablation that shows what the constraint buys.
+    """
+
+    vocab_size: int = 4096
+    d_model: int = 256
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int = 688
+    max_seq_len: int = 256
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    init_std: float = 0.02
+    subspace_rank: int = 0
+    constrain_writes: bool = True
+
+    def __post_init__(self) -> None:
+        if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
+            raise ValueError(f"d_model={self.d_model} must split into {self.n_heads} heads of even size")
+        if not 0 <= self.subspace_rank <= self.d_model:
+            raise ValueError(f"subspace_rank={self.subspace_rank} must lie in [0, d_model={self.d_model}]")
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def constrained(self) -> bool:
+        """Whether residual writes are restricted to the subspace (else ``U`` only serves the codec)."""
+        return self.subspace_rank > 0 and self.constrain_writes
+
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=512, d_model=64, n_layers=4, n_heads=4, d_ff=172, max_seq_len=64),
+    "small": ModelConfig(),
+    "150m": ModelConfig(vocab_size=32000, d_model=1024, n_layers=12, n_heads=16, d_ff=2816, max_seq_len=1024),
+    "2b-8layer": ModelConfig(
+        vocab_size=32000, d_model=4096, n_layers=8, n_heads=32, d_ff=11008, max_seq_len=2048
+    ),
+    "8b": ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, d_ff=14336, max_seq_len=4096),
+}
+
+
+@dataclass
+class CodecConfig:
+    """What crosses each stage boundary, forward and backward.
+
+    ``kind`` picks the boundary map (``identity`` full activations, ``subspace``
+    coordinates in ``U``, ``mapl`` learned per-boundary projections, or one of the
+    ablation baselines applied to full activations: ``topk``, ``int8_block``,
+    ``int4_block``, ``lowrank``). ``forward_format`` / ``backward_format`` are the tensor
+    formats of :mod:`swarm.codecs` for the matrix that crosses (``fp32``, ``bf16``,
+    ``fp16``, ``int8_row``, ``rvq`` ...). ``zstd_level > 0`` adds an entropy stage.
+    """
+
+    kind: str = "subspace"
+    forward_format: str = "bf16"
+    backward_format: str = "bf16"
+    zstd_level: int = 0
+    mapl_rank: int = 32
+    anchor_rank: int = 16
+    rvq_codebooks: int = 4
+    rvq_codebook_size: int = 256
+    topk: int = 40
+    lowrank: int = 20
+
+
+@dataclass
+class RotationConfig:
+    """Grassmann rotations of the shared subspace ``U`` (0 interval: static basis)."""
+
+    interval: int = 0
+    max_angle: float = 0.05
+
+
+@dataclass
+class TrainConfig:
+    steps: int = 200
+    batch_size: int = 8
+    seq_len: int = 128
+    microbatches: int = 2
+    lr: float = 3e-3
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 20
+    weight_decay: float = 0.01
+    grad_clip: float = 1.0
+    stiefel_lr: float = 0.01
+    eval_every: int = 50
+    seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    source: str | None = None
+    tokenizer: str = "bpe"
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run; the unit the coordinator serves and hashes."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    codec: CodecConfig = field(default_factory=CodecConfig)
+    rotation: RotationConfig = field(default_factory=RotationConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    n_stages: int = 2
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.n_stages <= self.model.n_layers:
+            raise ValueError(f"n_stages={self.n_stages} must lie in [1, n_layers={self.model.n_layers}]")
+        if self.codec.kind == "subspace" and self.model.subspace_rank == 0:
+            raise ValueError("codec 'subspace' needs model.subspace_rank > 0")
+        if self.train.batch_size % self.train.microbatches:
+            raise ValueError("train.batch_size must be a multiple of train.microbatches")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> RunConfig:
+        sections = {"model": ModelConfig, "codec": CodecConfig, "rotation": RotationConfig}
+        sections |= {"train": TrainConfig, "data": DataConfig}
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown run configuration keys: {sorted(unknown)}")
+        kwargs: dict[str, Any] = {}
+        for name, value in d.items():
+            kind = sections.get(name)
+            kwargs[name] = _build(kind, value, name) if kind else value
+        return cls(**kwargs)
+
+    @classmethod
+    def from_toml(cls, path: str | Path) -> RunConfig:
+        with open(path, "rb") as f:
+            return cls.from_dict(tomllib.load(f))
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+
+def _build(kind: type, value: Any, section: str) -> Any:
+    if isinstance(value, kind):
+        return value
+    if isinstance(value, str) and kind is ModelConfig:
+        if value not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {value!r}; choose from {sorted(MODEL_PRESETS)}")
+        return dataclasses.replace(MODEL_PRESETS[value])
+    names = {f.name for f in dataclasses.fields(kind)}
+    unknown = set(value) - names
+    if unknown:
+        raise ValueError(f"unknown keys in [{section}]: {sorted(unknown)}")
+    return kind(**value)
+
+
+def config_hash(config: RunConfig) -> str:
+    """Content hash of a run configuration (sha256 of its canonical JSON)."""
+    return hashlib.sha256(config.to_json().encode()).hexdigest()
+
+
+def stage_layer_ranges(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
+    """Split ``n_layers`` into ``n_stages`` contiguous ranges, earlier stages taking the extra layers."""
+    base, extra = divmod(n_layers, n_stages)
+    ranges, start = [], 0
+    for s in range(n_stages):
+        end = start + base + (1 if s < extra else 0)
+        ranges.append((start, end))
+        start = end
+    return ranges
+
+
+def pick_device(preference: str = "auto") -> torch.device:
+    """``auto`` picks CUDA when present, else CPU; any explicit torch device string is honoured."""
+    if preference == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(preference)

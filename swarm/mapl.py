@@ -1,0 +1,69 @@
+"""MAPL: a learned projection per stage boundary, with a factorised anchor embedding.
+
+At boundary ``p`` both neighbouring stages hold a copy of :class:`MaplBoundary`:
+``A_p`` (d x r, orthonormal columns: a point of the Stiefel manifold) and an anchor
+``offset(tok) = E_fixed[tok] + E_small_p[tok] P_p`` (``E_small_p``: V x a, ``P_p``:
+a x d). The sender transmits ``Z = (X - offset) A_p`` (r numbers per token); the
+receiver rebuilds ``X_hat = Z A_p^T + offset``. This is lossy: the model learns to live
+in the space the boundary keeps. Autograd through both maps is exact for the compressed
+model, and each side's copy gets its own share of the gradient of ``A_p`` and of the
+anchor; :func:`boundary_gradients` / :func:`set_boundary_gradients` let the runtime sum
+them so both copies take the identical step (see :class:`swarm.optim.StiefelSGD`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from swarm.model import name_seed
+from swarm.subspace import random_basis
+
+
+class MaplBoundary(nn.Module):
+    """The learned map of one boundary: projection ``A`` on the Stiefel manifold plus anchor."""
+
+    def __init__(self, fixed_embedding: torch.Tensor, rank: int, anchor_rank: int, seed: int, index: int):
+        super().__init__()
+        vocab, d = fixed_embedding.shape
+        if not 0 < rank <= d:
+            raise ValueError(f"MAPL rank {rank} must lie in (0, d={d}]")
+        self.register_buffer("fixed_embedding", fixed_embedding, persistent=False)
+        self.projection = nn.Parameter(random_basis(d, rank, name_seed(seed, f"mapl.{index}.projection")))
+        self.projection.stiefel = True
+        gen = torch.Generator().manual_seed(name_seed(seed, f"mapl.{index}.anchor"))
+        self.anchor_tokens = nn.Parameter(torch.randn(vocab, anchor_rank, generator=gen) * 0.02)
+        self.anchor_map = nn.Parameter(torch.zeros(anchor_rank, d))
+
+    @property
+    def width(self) -> int:
+        return self.projection.shape[1]
+
+    def offset(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.fixed_embedding[tokens] + self.anchor_tokens[tokens] @ self.anchor_map
+
+    def project(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Sender side: ``(X - offset) A`` (B x T x r)."""
+        return (x - self.offset(tokens)) @ self.projection
+
+    def lift(self, z: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """Receiver side: ``Z A^T + offset`` (B x T x d)."""
+        return z @ self.projection.T + self.offset(tokens)
+
+
+def boundary_gradients(boundary: MaplBoundary) -> dict[str, torch.Tensor]:
+    """This copy's share of the boundary's parameter gradients (zeros where it has none)."""
+    return {
+        name: (p.grad if p.grad is not None else torch.zeros_like(p)).detach().clone()
+        for name, p in boundary.named_parameters()
+    }
+
+
+def set_boundary_gradients(boundary: MaplBoundary, grads: dict[str, torch.Tensor]) -> None:
+    """Install the summed gradients so both copies of a boundary step identically."""
+    for name, p in boundary.named_parameters():
+        p.grad = grads[name].to(device=p.device, dtype=p.dtype).clone()
+
+
+def sum_gradients(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {name: a[name] + b[name].to(a[name].device) for name in a}

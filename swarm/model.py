@@ -1,0 +1,225 @@
+"""A LLaMA-style decoder, readable top to bottom, splittable into pipeline stages.
+
+RMSNorm -> attention with RoPE -> SwiGLU MLP, pre-norm residual blocks. A
+:class:`Stage` holds a contiguous range of layers; stage 0 also owns the trainable part
+of the token embedding, the last stage the final norm and the LM head. The full model
+is simply the stage that holds every layer.
+
+Subspace Networks enter in exactly two places:
+
+* :class:`ResidualWrite` is the only way a block writes to the residual stream
+  (attention output and MLP down projection). With a basis ``U`` (d x k) it computes
+  ``h W' U^T``: the matrix ``W = W' U^T`` has its rows in ``col(U)`` by construction.
+* :class:`TokenEmbedding` is ``E_fixed[tok] + C[tok] U^T``: a frozen full-rank part
+  every stage holds, plus a trainable part in the subspace.
+
+So ``X - E_fixed[tok]`` lies in ``col(U)`` at every layer, which is what lets a stage
+boundary send ``k`` coordinates per token instead of ``d``.
+
+Why a reparametrisation and not a row-wise AdamW on full ``W``: the constraint then
+holds exactly, by construction, after any number of steps of *any* optimizer (AdamW,
+Muon, hivemind's averaged optimizers) with no projection fighting its state; and the
+parameters, their gradients and the optimizer state shrink from ``in x d`` to
+``in x k``. A subspace rotation re-expresses ``W'`` in the new basis
+(:func:`swarm.subspace.rotate_stage`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from swarm.config import ModelConfig
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rope_tables(head_dim: int, max_seq_len: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables (max_seq_len x head_dim/2) for rotary position embeddings."""
+    freqs = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(max_seq_len, dtype=torch.float64), freqs)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs of channels of ``x`` (B, H, T, hd) by position-dependent angles."""
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    out = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1)
+    return out.flatten(-2)
+
+
+def _write_rank(config: ModelConfig) -> int:
+    return config.subspace_rank if config.constrained else 0
+
+
+class ResidualWrite(nn.Module):
+    """A linear map into the residual stream, ``in -> d``; rows in ``col(U)`` when a basis is given.
+
+    With ``rank > 0`` the weight is ``W'`` (k x in) and the output is ``(h W'^T) U^T``.
+    """
+
+    def __init__(self, d_in: int, d_model: int, rank: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(rank or d_model, d_in))
+
+    def forward(self, h: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+        y = F.linear(h, self.weight)
+        return y if basis is None else y @ basis.T
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.n_heads, self.head_dim = config.n_heads, config.head_dim
+        self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
+        self.out = ResidualWrite(config.d_model, config.d_model, _write_rank(config))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, basis: torch.Tensor | None):
+        B, T, _ = x.shape
+        q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(B, T, -1), basis)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.gate_up = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)
+        self.down = ResidualWrite(config.d_ff, config.d_model, _write_rank(config))
+
+    def forward(self, x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up, basis)
+
+
+class Block(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.attn = Attention(config)
+        self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
+        self.mlp = SwiGLU(config)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, basis: torch.Tensor | None):
+        x = x + self.attn(self.attn_norm(x), cos, sin, basis)
+        return x + self.mlp(self.mlp_norm(x), basis)
+
+
+class TokenEmbedding(nn.Module):
+    """``E_fixed[tok] + E_low[tok]``: frozen full-rank part plus a trainable part.
+
+    ``E_low`` is ``C U^T`` (C: V x k) under the subspace constraint, else a full V x d
+    table; it starts at zero, so every model starts from the same ``E_fixed``.
+    """
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        self.low = nn.Parameter(torch.zeros(config.vocab_size, _write_rank(config) or config.d_model))
+
+    def forward(self, tokens: torch.Tensor, fixed: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
+        low = F.embedding(tokens, self.low)
+        return fixed[tokens] + (low if basis is None else low @ basis.T)
+
+
+class Stage(nn.Module):
+    """Layers ``[start, end)`` of the model, plus the embedding (first stage) or head (last stage).
+
+    ``basis`` is used (and required) only when ``config.constrained``.
+    ``forward(tokens, x)`` takes the token ids (B x T) and, except on the first stage,
+    the residual stream entering the stage (B x T x d); it returns the residual stream
+    leaving it, or the logits on the last stage.
+    """
+
+    def __init__(
+        self,
+        config: ModelConfig,
+        start: int,
+        end: int,
+        fixed_embedding: torch.Tensor,
+        basis: torch.Tensor | None,
+        seed: int,
+    ):
+        super().__init__()
+        if not 0 <= start < end <= config.n_layers:
+            raise ValueError(f"invalid layer range [{start}, {end}) for {config.n_layers} layers")
+        if config.constrained and basis is None:
+            raise ValueError("a subspace-constrained stage needs its basis")
+        self.config, self.start, self.end = config, start, end
+        self.is_first, self.is_last = start == 0, end == config.n_layers
+        self.register_buffer("fixed_embedding", fixed_embedding, persistent=False)
+        self.register_buffer("basis", basis.clone() if config.constrained else None)
+        cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+        self.embed = TokenEmbedding(config) if self.is_first else None
+        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(start, end)})
+        self.norm = RMSNorm(config.d_model, config.norm_eps) if self.is_last else None
+        self.head = nn.Linear(config.d_model, config.vocab_size, bias=False) if self.is_last else None
+        init_parameters(self, seed)
+
+    def forward(self, tokens: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+        T = tokens.shape[1]
+        if self.config.max_seq_len < T:
+            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
+        if self.embed is not None:
+            x = self.embed(tokens, self.fixed_embedding, self.basis)
+        elif x is None:
+            raise ValueError(f"stage [{self.start}, {self.end}) needs the incoming residual stream")
+        cos, sin = self.rope_cos[:T].to(x.dtype), self.rope_sin[:T].to(x.dtype)
+        for block in self.layers.values():
+            x = block(x, cos, sin, self.basis)
+        if self.head is not None:
+            x = self.head(self.norm(x))
+        return x
+
+
+def name_seed(seed: int, name: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1
+
+
+def init_parameters(stage: Stage, seed: int) -> None:
+    """Initialise every parameter from a generator seeded by (run seed, global parameter name).
+
+    Names carry global layer indices, so a stage initialises exactly like the same
+    layers of the full model: nodes need no initial weights, only the seed.
+    """
+    std = stage.config.init_std
+    write_std = std / math.sqrt(2 * stage.config.n_layers)
+    with torch.no_grad():
+        for name, p in stage.named_parameters():
+            gen = torch.Generator().manual_seed(name_seed(seed, name))
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name == "embed.low":
+                p.zero_()
+            else:
+                sigma = write_std if isinstance(_owner(stage, name), ResidualWrite) else std
+                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * sigma)
+
+
+def _owner(module: nn.Module, param_name: str) -> nn.Module:
+    return module.get_submodule(param_name.rpartition(".")[0])
+
+
+def fixed_embedding(vocab_size: int, d_model: int, seed: int) -> torch.Tensor:
+    """The frozen full-rank token embedding ``E_fixed`` (V x d, rows of expected unit norm)."""
+    gen = torch.Generator().manual_seed(name_seed(seed, "fixed_embedding"))
+    return (torch.randn(vocab_size, d_model, generator=gen, dtype=torch.float64) / math.sqrt(d_model)).float()
+
+
+def tensor_digest(t: torch.Tensor) -> str:
+    """sha256 of a tensor's raw bytes (CPU, contiguous): the content address of an artifact."""
+    return hashlib.sha256(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()

@@ -1,0 +1,181 @@
+"""The shared subspace ``U``: its construction, boundary statistics and Grassmann rotations.
+
+* :func:`random_basis` builds the initial orthonormal ``U`` (d x k) from a seed.
+* :class:`BoundaryStatistic` accumulates, from the activation gradients ``G`` seen at a
+  boundary, the d x k matrix ``sum G^T (G U)`` (never the d x d ``G^T G``) and the
+  off-subspace energy ``||(I - P) G||^2 / ||G||^2``.
+* :func:`grassmann_step` moves ``U`` along the Grassmann geodesic that increases
+  ``tr(U^T M U)``, ``M = sum G^T G``: the subspace turns toward where the gradients live.
+* :class:`SubspaceRotation` is the versioned object the coordinator broadcasts: the new
+  basis and the optimizer step at which every stage switches to it.
+* :func:`rotate_stage` re-expresses a stage's constrained parameters (and their AdamW
+  state) in the new basis: ``W <- W P'``, ``C <- C U^T U'``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from dataclasses import dataclass
+
+import torch
+
+from swarm.codecs.base import PayloadError
+from swarm.model import ResidualWrite, Stage
+
+
+def random_basis(d: int, k: int, seed: int) -> torch.Tensor:
+    """An orthonormal d x k basis (float64) from the QR of a seeded Gaussian.
+
+    Kept in float64 so a stage cast to float64 sees ``U^T U = I`` to float64 precision.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    q, r = torch.linalg.qr(torch.randn(d, k, generator=gen, dtype=torch.float64))
+    return q * torch.sign(torch.diagonal(r))
+
+
+def off_subspace_energy(grad: torch.Tensor, basis: torch.Tensor) -> tuple[float, float]:
+    """(``||(I-P)G||^2``, ``||G||^2``) for gradient rows ``G`` (n x d) and ``P = U U^T``."""
+    g = grad.reshape(-1, grad.shape[-1]).double()
+    inside = (g @ basis.double()).pow(2).sum().item()
+    total = g.pow(2).sum().item()
+    return max(total - inside, 0.0), total
+
+
+class BoundaryStatistic:
+    """Accumulates ``sum G^T (G U)`` and the off-subspace energy of boundary gradients."""
+
+    def __init__(self, basis: torch.Tensor):
+        self.basis = basis
+        self.reset()
+
+    def reset(self) -> None:
+        self.gram_times_basis = torch.zeros(self.basis.shape, dtype=torch.float64, device=self.basis.device)
+        self.off_energy = 0.0
+        self.total_energy = 0.0
+        self.count = 0
+
+    def add(self, grad: torch.Tensor) -> None:
+        g = grad.reshape(-1, grad.shape[-1]).double()
+        gu = g @ self.basis.double()
+        self.gram_times_basis += g.T @ gu
+        total = g.pow(2).sum().item()
+        self.total_energy += total
+        self.off_energy += max(total - gu.pow(2).sum().item(), 0.0)
+        self.count += g.shape[0]
+
+    @property
+    def off_fraction(self) -> float:
+        """``||(I-P)G|| / ||G||`` over everything accumulated since the last reset."""
+        return (self.off_energy / self.total_energy) ** 0.5 if self.total_energy > 0 else 0.0
+
+
+def grassmann_step(basis: torch.Tensor, gram_times_basis: torch.Tensor, max_angle: float) -> torch.Tensor:
+    """One geodesic step on the Grassmannian toward larger ``tr(U^T M U)``.
+
+    ``gram_times_basis`` is ``M U``. The direction is ``D = (I - P) M U`` with thin SVD
+    ``D = Q S V^T``; the step is ``U' = U V cos(S t) V^T + Q sin(S t) V^T``. The step
+    length ``t = min(max_angle / S_max, 1 / lambda_max(U^T M U))`` is scale-free: for a
+    gradient direction at angle ``phi`` to the subspace it turns by about ``tan(phi)``,
+    so the step shrinks as the subspace catches the gradients, and ``max_angle`` (radians)
+    caps the largest principal angle between ``U`` and ``U'``. Returns ``U`` unchanged
+    when ``D`` vanishes.
+    """
+    u = basis.double()
+    mu = gram_times_basis.double()
+    direction = mu - u @ (u.T @ mu)
+    q, s, vh = torch.linalg.svd(direction, full_matrices=False)
+    if s[0] <= 1e-12 * max(mu.norm().item(), 1e-300):
+        return basis.clone()
+    in_subspace = torch.linalg.eigvalsh(u.T @ mu).max().clamp_min(1e-300)
+    t = min(max_angle / s[0], 1.0 / in_subspace)
+    v = vh.T
+    new = u @ v @ torch.diag(torch.cos(s * t)) @ vh + q @ torch.diag(torch.sin(s * t)) @ vh
+    # Re-orthonormalise against accumulated rounding; the sign fix keeps columns continuous.
+    qn, r = torch.linalg.qr(new)
+    return (qn * torch.sign(torch.diagonal(r))).to(basis.dtype)
+
+
+@dataclass(frozen=True)
+class SubspaceRotation:
+    """A new basis and the optimizer step from which it is in force (version increments by one).
+
+    The basis travels in float64 (d*k*8 bytes, once per rotation interval), so every stage,
+    whatever its compute dtype, casts the very same numbers.
+    """
+
+    version: int
+    effective_step: int
+    basis: torch.Tensor
+
+    @property
+    def digest(self) -> str:
+        return hashlib.sha256(self.to_bytes()).hexdigest()
+
+    def to_bytes(self) -> bytes:
+        b = self.basis.detach().cpu().double().contiguous()
+        header = struct.pack("<QQII", self.version, self.effective_step, *b.shape)
+        return header + b.numpy().tobytes()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> SubspaceRotation:
+        if len(data) < 24:
+            raise PayloadError("rotation message shorter than its header")
+        version, step, d, k = struct.unpack_from("<QQII", data)
+        if len(data) != 24 + 8 * d * k:
+            raise PayloadError(
+                f"rotation for a {d}x{k} basis must be {24 + 8 * d * k} bytes, got {len(data)}"
+            )
+        basis = torch.frombuffer(bytearray(data[24:]), dtype=torch.float64).view(d, k).clone()
+        if not bool(torch.isfinite(basis).all()):
+            raise PayloadError("rotation basis holds non-finite values")
+        err = (basis.double().T @ basis.double() - torch.eye(k, dtype=torch.float64)).abs().max().item()
+        if err > 1e-4:
+            raise PayloadError(f"rotation basis is not orthonormal (max |U^T U - I| = {err:.2e})")
+        return cls(version, step, basis)
+
+
+def _rotate_adam_state(state: dict, transform, transform_sq) -> None:
+    if "exp_avg" in state:
+        state["exp_avg"].copy_(transform(state["exp_avg"]))
+        state["exp_avg_sq"].copy_(transform_sq(state["exp_avg_sq"]).clamp_min(0))
+
+
+@torch.no_grad()
+def rotate_stage(
+    stage: Stage, new_basis: torch.Tensor, optimizer: torch.optim.Optimizer | None = None
+) -> None:
+    """Switch ``stage`` to ``new_basis``: ``W' <- R^T W'`` and ``C <- C R`` with ``R = U^T U'``.
+
+    This is ``W <- W P'`` (the part of each row outside the new subspace is dropped).
+    AdamW's first moment is transformed exactly like its parameter; the second moment,
+    which has no exact image, maps through the squared entries of ``R`` (the variance of
+    a sum of independent coordinates).
+    """
+    old = stage.basis
+    if old is None:
+        raise ValueError("rotate_stage needs a subspace-constrained stage")
+    new_basis = new_basis.to(device=old.device, dtype=old.dtype)
+    r = old.T @ new_basis
+    r_sq = r * r
+    state = optimizer.state if optimizer is not None else {}
+    for module in stage.modules():
+        if isinstance(module, ResidualWrite):
+            module.weight.copy_(r.T @ module.weight)
+            if module.weight in state:
+                _rotate_adam_state(state[module.weight], lambda m: r.T @ m, lambda v: r_sq.T @ v)
+    if stage.embed is not None:
+        low = stage.embed.low
+        low.copy_(low @ r)
+        if low in state:
+            _rotate_adam_state(state[low], lambda m: m @ r, lambda v: v @ r_sq)
+    old.copy_(new_basis)
+
+
+def next_rotation(
+    basis: torch.Tensor, statistics: list[torch.Tensor], version: int, effective_step: int, max_angle: float
+) -> SubspaceRotation:
+    """The rotation that follows ``version``: one Grassmann step on the summed boundary statistics."""
+    total = torch.stack([s.double().cpu() for s in statistics]).sum(0)
+    new_basis = grassmann_step(basis.detach().cpu().double(), total, max_angle)
+    return SubspaceRotation(version + 1, effective_step, new_basis)

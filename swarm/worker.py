@@ -1,0 +1,242 @@
+"""One pipeline stage at work: its layers, its two boundary codecs, its optimizer.
+
+:class:`StageWorker` is the unit a node hosts and the single-process pipeline strings
+together. Per microbatch it turns an incoming :class:`~swarm.wire.ActivationFrame`
+(or the token ids, on stage 0) into an outgoing frame (or the loss, on the last stage),
+and an incoming :class:`~swarm.wire.GradientFrame` into the one it sends upstream. Every
+boundary crossing is a real encode -> bytes -> decode. At the end of a step the
+worker exchanges what its boundary neighbours need (MAPL gradient shares, RVQ codebook
+deltas), steps its optimizer, and applies subspace rotations at their announced step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from swarm.codecs import make_format
+from swarm.codecs.base import PayloadError
+from swarm.codecs.boundary import BoundaryCodec, IdentityMap, SubspaceMap
+from swarm.codecs.rvq import ResidualVQ
+from swarm.config import RunConfig, stage_layer_ranges
+from swarm.mapl import MaplBoundary, boundary_gradients, set_boundary_gradients
+from swarm.model import Stage, name_seed
+from swarm.optim import build_optimizer
+from swarm.subspace import BoundaryStatistic, SubspaceRotation, rotate_stage
+from swarm.wire import ActivationFrame, GradientFrame
+
+
+@dataclass
+class _Microbatch:
+    output: torch.Tensor  # coordinates sent downstream, or the scaled loss on the last stage
+    received: torch.Tensor | None  # coordinates received from upstream (a leaf requiring grad)
+
+
+@dataclass
+class StageStats:
+    """What a worker did in one step; summed into the step's metrics."""
+
+    tokens: int = 0
+    bytes_sent_forward: int = 0
+    bytes_sent_backward: int = 0
+    bytes_sent_sync: int = 0
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    grad_norm: float = 0.0
+    off_subspace_fraction: float | None = None
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+class StageWorker:
+    """Stage ``index`` of a run: builds its layers from the run seed and codecs from the config."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        index: int,
+        fixed_embedding: torch.Tensor,
+        basis: torch.Tensor | None,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ):
+        self.config, self.index = config, index
+        self.device, self.dtype = torch.device(device), dtype
+        start, end = stage_layer_ranges(config.model.n_layers, config.n_stages)[index]
+        seed = config.train.seed
+        self.stage = Stage(config.model, start, end, fixed_embedding, basis, seed).to(device, dtype)
+        # The codec's basis: the stage's own buffer when the model is constrained (rotations
+        # then move both together), a private copy when it only serves the codec.
+        self.basis = self.stage.basis
+        if self.basis is None and basis is not None:
+            self.basis = basis.to(device, dtype, copy=True)
+        self.mapl: dict[str, MaplBoundary] = {}
+        self.inbound = self._make_codec(index - 1, "in") if index > 0 else None
+        self.outbound = self._make_codec(index, "out") if not self.stage.is_last else None
+        self.optimizer = build_optimizer([self.stage, *self.mapl.values()], config.train)
+        self.version = 0
+        self.pending_rotation: SubspaceRotation | None = None
+        self.statistic = (
+            BoundaryStatistic(self.basis)
+            if self.inbound is not None and isinstance(self.inbound.map, SubspaceMap)
+            else None
+        )
+        self._microbatches: dict[int, _Microbatch] = {}
+        self._sent_rows: list[torch.Tensor] = []
+        self.stats = StageStats()
+
+    @property
+    def is_first(self) -> bool:
+        return self.stage.is_first
+
+    @property
+    def is_last(self) -> bool:
+        return self.stage.is_last
+
+    def _make_codec(self, boundary: int, side: str) -> BoundaryCodec:
+        cfg, model = self.config.codec, self.config.model
+        if cfg.kind == "identity":
+            bmap = IdentityMap(model.d_model)
+        elif cfg.kind == "subspace":
+            bmap = SubspaceMap(self.stage.fixed_embedding, self.basis)
+        elif cfg.kind == "mapl":
+            bmap = MaplBoundary(
+                self.stage.fixed_embedding, cfg.mapl_rank, cfg.anchor_rank, self.config.train.seed, boundary
+            ).to(self.device, self.dtype)
+            self.mapl[side] = bmap
+        else:
+            raise ValueError(f"unknown codec kind {cfg.kind!r}; choose identity, subspace or mapl")
+        seed = name_seed(self.config.train.seed, f"codebook.{boundary}")
+        return BoundaryCodec(
+            bmap,
+            make_format(cfg.forward_format, bmap.width, cfg, seed),
+            make_format(cfg.backward_format, bmap.width, cfg, seed),
+            model.vocab_size,
+            model.max_seq_len,
+            cfg.zstd_level,
+        )
+
+    def parameters(self) -> list[torch.nn.Parameter]:
+        params = list(self.stage.parameters())
+        for boundary in self.mapl.values():
+            params += list(boundary.parameters())
+        return params
+
+    # -- microbatch traffic ---------------------------------------------------------------------
+
+    def forward(self, step: int, microbatch: int, source: torch.Tensor | ActivationFrame):
+        """Run the stage on one microbatch.
+
+        ``source`` is the ``B x (T+1)`` token ids on stage 0 and an activation frame
+        elsewhere. Returns the frame for the next stage, or the loss (float) on the last.
+        """
+        received = None
+        if self.is_first:
+            if not isinstance(source, torch.Tensor):
+                raise TypeError("stage 0 takes token ids, not a frame")
+            ids = source.to(self.device)
+            x = self.stage(ids[:, :-1])
+        else:
+            if not isinstance(source, ActivationFrame):
+                raise TypeError(f"stage {self.index} takes an activation frame")
+            self._check_step(source.step, step)
+            z, ids = self.inbound.decode_activation(source, self.version, self.device, self.dtype)
+            received = z.requires_grad_()
+            x_in = self.inbound.map.lift(received, ids[:, :-1])
+            if self.statistic is not None:
+                x_in.register_hook(self.statistic.add)
+            x = self.stage(ids[:, :-1], x_in)
+        tokens = ids[:, :-1].numel()
+        self.stats.tokens += tokens
+        if self.is_last:
+            loss = F.cross_entropy(x.float().flatten(0, 1), ids[:, 1:].flatten())
+            self._microbatches[microbatch] = _Microbatch(loss / self.config.train.microbatches, received)
+            self.stats.loss_sum += loss.item() * tokens
+            self.stats.loss_count += tokens
+            return loss.item()
+        z_out = self.outbound.map.project(x, ids[:, :-1])
+        frame = self.outbound.encode_activation(z_out, ids, step, microbatch, self.version)
+        self._microbatches[microbatch] = _Microbatch(z_out, received)
+        if isinstance(self.outbound.forward_format, ResidualVQ):
+            self._sent_rows.append(z_out.detach().reshape(-1, z_out.shape[-1]))
+        self.stats.bytes_sent_forward += frame.nbytes
+        return frame
+
+    def backward(self, step: int, microbatch: int, gradient: GradientFrame | None = None):
+        """Backpropagate one microbatch; returns the frame for the previous stage (None on stage 0)."""
+        saved = self._microbatches.pop(microbatch, None)
+        if saved is None:
+            raise PayloadError(
+                f"stage {self.index}: backward for unknown microbatch {microbatch} of step {step}"
+            )
+        if self.is_last:
+            saved.output.backward()
+        else:
+            if gradient is None:
+                raise TypeError(f"stage {self.index} needs the gradient frame of microbatch {microbatch}")
+            self._check_step(gradient.step, step)
+            g = self.outbound.decode_gradient(
+                gradient, self.version, saved.output.shape, self.device, self.dtype
+            )
+            saved.output.backward(g)
+        if self.is_first:
+            return None
+        frame = self.inbound.encode_gradient(saved.received.grad, step, microbatch, self.version)
+        self.stats.bytes_sent_backward += frame.nbytes
+        return frame
+
+    def _check_step(self, got: int, expected: int) -> None:
+        if got != expected:
+            raise PayloadError(f"stage {self.index}: frame of step {got} arrived during step {expected}")
+
+    # -- end of step ---------------------------------------------------------------------------
+
+    def boundary_gradients(self, side: str) -> dict[str, torch.Tensor]:
+        """This side's share of the MAPL boundary gradients (``side``: ``in`` or ``out``)."""
+        return boundary_gradients(self.mapl[side])
+
+    def set_boundary_gradients(self, side: str, grads: dict[str, torch.Tensor]) -> None:
+        set_boundary_gradients(self.mapl[side], grads)
+
+    def optimizer_step(self, step: int) -> StageStats:
+        """Step the optimizer, learn the outbound codebooks, and return (then reset) the step's stats."""
+        self.stats.grad_norm = self.optimizer.step(step, self.parameters())
+        self.optimizer.zero_grad()
+        if self.statistic is not None:
+            self.stats.off_subspace_fraction = self.statistic.off_fraction
+        stats, self.stats = self.stats, StageStats()
+        return stats
+
+    def codebook_delta(self) -> bytes | None:
+        """Learn the outbound RVQ codebooks from this step's coordinates; the delta the receiver needs."""
+        fmt = self.outbound.forward_format if self.outbound is not None else None
+        if not isinstance(fmt, ResidualVQ) or not self._sent_rows:
+            return None
+        version = fmt.version
+        fmt.update(torch.cat(self._sent_rows).float().cpu())
+        self._sent_rows.clear()
+        return fmt.delta_since(version)
+
+    def apply_codebook_delta(self, delta: bytes) -> None:
+        fmt = self.inbound.forward_format
+        if not isinstance(fmt, ResidualVQ):
+            raise PayloadError(f"stage {self.index}: codebook delta for a boundary without RVQ")
+        fmt.apply_delta(delta)
+
+    def schedule_rotation(self, rotation: SubspaceRotation) -> None:
+        """Accept a rotation; it is applied when :meth:`begin_step` reaches its effective step."""
+        if rotation.version != self.version + 1:
+            raise PayloadError(f"rotation to version {rotation.version} while at version {self.version}")
+        self.pending_rotation = rotation
+
+    def begin_step(self, step: int) -> None:
+        """Apply a pending rotation whose effective step has come."""
+        rot = self.pending_rotation
+        if rot is not None and step >= rot.effective_step:
+            if step > rot.effective_step:
+                raise PayloadError(f"rotation for step {rot.effective_step} applied late, at step {step}")
+            rotate_stage(self.stage, rot.basis, self.optimizer.adamw)
+            self.version, self.pending_rotation = rot.version, None
+            if self.statistic is not None:
+                self.statistic.reset()

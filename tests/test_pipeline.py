@@ -1,0 +1,99 @@
+"""The single-process pipeline against a single-process model: reconstruction and gradient exactness."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from swarm.model import Stage
+from swarm.pipeline import LocalPipeline, initial_artifacts
+from tests.helpers import random_batch, tiny_config
+
+
+def reference_gradients(
+    config, ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[float, dict[str, torch.Tensor]]:
+    """Loss and parameter gradients of the whole model in one process, no boundaries."""
+    fixed, basis = initial_artifacts(config)
+    model = Stage(config.model, 0, config.model.n_layers, fixed, basis, config.train.seed).to(dtype=dtype)
+    losses = []
+    for chunk in ids.chunk(config.train.microbatches):
+        logits = model(chunk[:, :-1])
+        loss = F.cross_entropy(logits.float().flatten(0, 1), chunk[:, 1:].flatten())
+        (loss / config.train.microbatches).backward()
+        losses.append(loss.item())
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    return sum(losses) / len(losses), grads
+
+
+def pipeline_gradients(
+    config, ids: torch.Tensor, dtype: torch.dtype
+) -> tuple[float, dict[str, torch.Tensor]]:
+    pipe = LocalPipeline(config, dtype=dtype)
+    loss, _, _ = pipe.forward_backward(0, ids)
+    grads = {}
+    for w in pipe.workers:
+        grads |= {name: p.grad.clone() for name, p in w.stage.named_parameters()}
+    return loss, grads
+
+
+def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys()
+    return max(((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)).item() for n in a)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fmt", "tolerance"), [(torch.float32, "fp32", 1e-5), (torch.float64, "fp64", 1e-10)]
+)
+def test_compressed_pipeline_gradients_equal_single_process(dtype, fmt, tolerance):
+    config = tiny_config(forward_format=fmt, backward_format=fmt)
+    ids = random_batch(config)
+    ref_loss, ref = reference_gradients(config, ids, dtype)
+    loss, got = pipeline_gradients(config, ids, dtype)
+    assert abs(loss - ref_loss) / ref_loss < tolerance
+    assert max_relative_error(got, ref) < tolerance
+
+
+def test_without_constraint_the_same_codec_changes_gradients():
+    config = tiny_config(constrain=False, forward_format="fp64", backward_format="fp64")
+    ids = random_batch(config)
+    _, ref = reference_gradients(config, ids, torch.float64)
+    _, got = pipeline_gradients(config, ids, torch.float64)
+    assert max_relative_error(got, ref) > 1e-2
+
+
+def test_forward_reconstruction_is_exact_at_every_boundary():
+    config = tiny_config()
+    pipe = LocalPipeline(config)
+    ids = random_batch(config)[:2]
+    x = None
+    for w in pipe.workers[:-1]:
+        x = w.stage(ids[:, :-1], x)
+        frame = w.outbound.encode_activation(w.outbound.map.project(x, ids[:, :-1]), ids, 0, 0, 0)
+        nxt = pipe.workers[w.index + 1]
+        z, got_ids = nxt.inbound.decode_activation(frame, 0, torch.device("cpu"), torch.float32)
+        rebuilt = nxt.inbound.map.lift(z, got_ids[:, :-1])
+        assert torch.equal(got_ids, ids)
+        assert ((rebuilt - x).norm() / x.norm()).item() < 1e-6
+
+
+def test_identity_pipeline_matches_reference_exactly_in_fp32():
+    config = tiny_config(kind="identity", rank=0)
+    ids = random_batch(config)
+    _, ref = reference_gradients(config, ids, torch.float32)
+    _, got = pipeline_gradients(config, ids, torch.float32)
+    assert max_relative_error(got, ref) < 1e-5
+
+
+def test_wire_bytes_match_format_accounting():
+    config = tiny_config(forward_format="bf16", backward_format="bf16")
+    pipe = LocalPipeline(config)
+    ids = random_batch(config)
+    result = pipe.train_step(0, ids)
+    tokens = config.train.batch_size * config.train.seq_len
+    k = config.model.subspace_rank
+    per_mb_ids = (config.train.batch_size // config.train.microbatches) * (config.train.seq_len + 1) * 2
+    assert result.tokens == tokens
+    assert result.bytes_forward == [tokens * k * 2 + config.train.microbatches * per_mb_ids] * 3
+    assert result.bytes_backward == [tokens * k * 2] * 3
