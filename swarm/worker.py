@@ -125,11 +125,12 @@ class StageWorker:
 
     # -- microbatch traffic ---------------------------------------------------------------------
 
-    def forward(self, step: int, microbatch: int, source: torch.Tensor | ActivationFrame):
+    def forward(self, step: int, microbatch: int, source: torch.Tensor | ActivationFrame, train: bool = True):
         """Run the stage on one microbatch.
 
         ``source`` is the ``B x (T+1)`` token ids on stage 0 and an activation frame
         elsewhere. Returns the frame for the next stage, or the loss (float) on the last.
+        With ``train=False`` (evaluation) nothing is kept for backward or counted in the stats.
         """
         received = None
         if self.is_first:
@@ -142,26 +143,34 @@ class StageWorker:
                 raise TypeError(f"stage {self.index} takes an activation frame")
             self._check_step(source.step, step)
             z, ids = self.inbound.decode_activation(source, self.version, self.device, self.dtype)
-            received = z.requires_grad_()
+            received = z.requires_grad_(train)
             x_in = self.inbound.map.lift(received, ids[:, :-1])
-            if self.statistic is not None:
+            if self.statistic is not None and train:
                 x_in.register_hook(self.statistic.add)
             x = self.stage(ids[:, :-1], x_in)
-        tokens = ids[:, :-1].numel()
-        self.stats.tokens += tokens
         if self.is_last:
             loss = F.cross_entropy(x.float().flatten(0, 1), ids[:, 1:].flatten())
-            self._microbatches[microbatch] = _Microbatch(loss / self.config.train.microbatches, received)
-            self.stats.loss_sum += loss.item() * tokens
-            self.stats.loss_count += tokens
+            output = loss / self.config.train.microbatches
+        else:
+            output = self.outbound.map.project(x, ids[:, :-1])
+            frame = self.outbound.encode_activation(output, ids, step, microbatch, self.version)
+        if train:
+            self._record(microbatch, ids, output, received)
+        if self.is_last:
             return loss.item()
-        z_out = self.outbound.map.project(x, ids[:, :-1])
-        frame = self.outbound.encode_activation(z_out, ids, step, microbatch, self.version)
-        self._microbatches[microbatch] = _Microbatch(z_out, received)
-        if isinstance(self.outbound.forward_format, ResidualVQ):
-            self._sent_rows.append(z_out.detach().reshape(-1, z_out.shape[-1]))
-        self.stats.bytes_sent_forward += frame.nbytes
+        if train:
+            self.stats.bytes_sent_forward += frame.nbytes
         return frame
+
+    def _record(self, microbatch: int, ids: torch.Tensor, output: torch.Tensor, received) -> None:
+        tokens = ids[:, :-1].numel()
+        self.stats.tokens += tokens
+        self._microbatches[microbatch] = _Microbatch(output, received)
+        if self.is_last:
+            self.stats.loss_sum += output.item() * self.config.train.microbatches * tokens
+            self.stats.loss_count += tokens
+        elif isinstance(self.outbound.forward_format, ResidualVQ):
+            self._sent_rows.append(output.detach().reshape(-1, output.shape[-1]))
 
     def backward(self, step: int, microbatch: int, gradient: GradientFrame | None = None):
         """Backpropagate one microbatch; returns the frame for the previous stage (None on stage 0)."""

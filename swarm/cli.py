@@ -1,0 +1,108 @@
+"""``swarm``: train locally, and (later subcommands) run a local swarm or the benchmarks."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import tomllib
+
+from swarm.config import MODEL_PRESETS, RunConfig, config_hash
+
+DEFAULT_RUN = {
+    "model": dataclasses.asdict(dataclasses.replace(MODEL_PRESETS["small"], subspace_rank=32)),
+    "codec": {"kind": "subspace", "forward_format": "bf16", "backward_format": "bf16"},
+    "train": {"steps": 200, "batch_size": 8, "seq_len": 128, "microbatches": 2},
+    "n_stages": 4,
+}
+
+
+def add_run_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags that override the run configuration (TOML file or the embedded default)."""
+    g = parser.add_argument_group("run configuration")
+    g.add_argument("--config", help="run configuration TOML (default: the embedded small run)")
+    g.add_argument("--preset", choices=sorted(MODEL_PRESETS), help="model size preset")
+    g.add_argument("--codec", choices=["identity", "subspace", "mapl"], help="boundary map")
+    g.add_argument("--forward-format", help="activation tensor format (fp32, bf16, int8_row, rvq, topk...)")
+    g.add_argument("--backward-format", help="tensor format of activation gradients")
+    g.add_argument("--rank", type=int, help="subspace rank k (0: dense model)")
+    g.add_argument("--stages", type=int, help="number of pipeline stages")
+    g.add_argument("--steps", type=int)
+    g.add_argument("--batch-size", type=int)
+    g.add_argument("--seq-len", type=int)
+    g.add_argument("--microbatches", type=int)
+    g.add_argument("--lr", type=float)
+    g.add_argument("--rotate-every", type=int, help="steps between subspace rotations (0: static)")
+    g.add_argument("--corpus", help="text file, folder or JSONL (default: the bundled Shakespeare plays)")
+    g.add_argument("--tokenizer", choices=["bpe", "byte"])
+    g.add_argument("--seed", type=int)
+
+
+def run_config_from_args(args: argparse.Namespace) -> RunConfig:
+    """The embedded default (or ``--config``), with every given flag applied on top."""
+    if args.config:
+        with open(args.config, "rb") as f:
+            d = tomllib.load(f)
+    else:
+        d = json.loads(json.dumps(DEFAULT_RUN))
+    if args.preset:
+        rank = d.get("model", {}).get("subspace_rank", 0) if isinstance(d.get("model"), dict) else 0
+        d["model"] = dataclasses.asdict(dataclasses.replace(MODEL_PRESETS[args.preset], subspace_rank=rank))
+    overrides = {
+        ("codec", "kind"): args.codec,
+        ("codec", "forward_format"): args.forward_format,
+        ("codec", "backward_format"): args.backward_format,
+        ("model", "subspace_rank"): args.rank,
+        ("train", "steps"): args.steps,
+        ("train", "batch_size"): args.batch_size,
+        ("train", "seq_len"): args.seq_len,
+        ("train", "microbatches"): args.microbatches,
+        ("train", "lr"): args.lr,
+        ("train", "seed"): args.seed,
+        ("rotation", "interval"): args.rotate_every,
+        ("data", "source"): args.corpus,
+        ("data", "tokenizer"): args.tokenizer,
+    }
+    for (section, key), value in overrides.items():
+        if value is not None:
+            d.setdefault(section, {})[key] = value
+    if args.stages is not None:
+        d["n_stages"] = args.stages
+    return RunConfig.from_dict(d)
+
+
+def cmd_train(args: argparse.Namespace) -> int:
+    from swarm.train import train
+
+    config = run_config_from_args(args)
+    print(f"run {config_hash(config)[:12]}: {config.to_json()}")
+    s = train(config, device=args.device, out_dir=args.out)
+    print(
+        f"\n{s.steps} steps, {s.tokens} tokens in {s.seconds:.1f} s "
+        f"({s.tokens / s.seconds:.0f} tok/s, {s.device})\n"
+        f"validation loss {s.initial_val_loss:.3f} -> {s.final_val_loss:.3f}\n"
+        f"wire bytes/token/boundary {s.wire_bytes_per_token:.1f} "
+        f"(bf16 dense {s.dense_bytes_per_token:.0f}: {s.compression:.1f}x less)"
+    )
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="swarm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("train", help="train with all stages in this process (real codecs at every boundary)")
+    add_run_arguments(p)
+    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1 ...")
+    p.add_argument("--out", help="folder for summary.json")
+    p.set_defaults(func=cmd_train)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"swarm: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
