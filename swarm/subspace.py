@@ -122,6 +122,8 @@ class SubspaceRotation:
         if len(data) < 24:
             raise PayloadError("rotation message shorter than its header")
         version, step, d, k = struct.unpack_from("<QQII", data)
+        if not 0 < k <= d:
+            raise PayloadError(f"rotation basis shape {d}x{k} is not a d x k basis with 0 < k <= d")
         if len(data) != 24 + 8 * d * k:
             raise PayloadError(
                 f"rotation for a {d}x{k} basis must be {24 + 8 * d * k} bytes, got {len(data)}"

@@ -1,0 +1,244 @@
+from swarm._proto.swarm.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class LinkRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    LINK_ROLE_UNSPECIFIED: _ClassVar[LinkRole]
+    LINK_ROLE_DIAL: _ClassVar[LinkRole]
+    LINK_ROLE_ACCEPT: _ClassVar[LinkRole]
+LINK_ROLE_UNSPECIFIED: LinkRole
+LINK_ROLE_DIAL: LinkRole
+LINK_ROLE_ACCEPT: LinkRole
+
+class JoinRequest(_message.Message):
+    __slots__ = ("protocol_version", "token", "node_name", "announce_address", "max_stages", "device")
+    PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    ANNOUNCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    MAX_STAGES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    protocol_version: int
+    token: str
+    node_name: str
+    announce_address: str
+    max_stages: int
+    device: str
+    def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., node_name: _Optional[str] = ..., announce_address: _Optional[str] = ..., max_stages: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+
+class BoundaryLink(_message.Message):
+    __slots__ = ("boundary", "local_stage", "peer_node_id", "peer_address", "role")
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_STAGE_FIELD_NUMBER: _ClassVar[int]
+    PEER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    boundary: int
+    local_stage: int
+    peer_node_id: str
+    peer_address: str
+    role: LinkRole
+    def __init__(self, boundary: _Optional[int] = ..., local_stage: _Optional[int] = ..., peer_node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ...) -> None: ...
+
+class JoinReply(_message.Message):
+    __slots__ = ("node_id", "run_id", "config_json", "config_hash", "stages", "embedding_digest", "embedding_size", "subspace_version", "links", "plan_epoch", "heartbeat_interval_ms", "auth_token", "dht_initial_peers")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_DIGEST_FIELD_NUMBER: _ClassVar[int]
+    EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
+    SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    DHT_INITIAL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    run_id: str
+    config_json: str
+    config_hash: str
+    stages: _containers.RepeatedScalarFieldContainer[int]
+    embedding_digest: str
+    embedding_size: int
+    subspace_version: int
+    links: _containers.RepeatedCompositeFieldContainer[BoundaryLink]
+    plan_epoch: int
+    heartbeat_interval_ms: int
+    auth_token: str
+    dht_initial_peers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., embedding_digest: _Optional[str] = ..., embedding_size: _Optional[int] = ..., subspace_version: _Optional[int] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., auth_token: _Optional[str] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("node_id", "step")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    step: int
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+
+class HeartbeatReply(_message.Message):
+    __slots__ = ("known", "plan_epoch", "stages", "links", "subspace_version")
+    KNOWN_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    known: bool
+    plan_epoch: int
+    stages: _containers.RepeatedScalarFieldContainer[int]
+    links: _containers.RepeatedCompositeFieldContainer[BoundaryLink]
+    subspace_version: int
+    def __init__(self, known: _Optional[bool] = ..., plan_epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., subspace_version: _Optional[int] = ...) -> None: ...
+
+class LeaveRequest(_message.Message):
+    __slots__ = ("node_id", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class LeaveReply(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunConfigReply(_message.Message):
+    __slots__ = ("run_id", "config_json", "config_hash")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    config_json: str
+    config_hash: str
+    def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ...) -> None: ...
+
+class ArtifactRequest(_message.Message):
+    __slots__ = ("digest", "offset")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    offset: int
+    def __init__(self, digest: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+
+class ArtifactChunk(_message.Message):
+    __slots__ = ("offset", "data", "total_size", "digest")
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    offset: int
+    data: bytes
+    total_size: int
+    digest: str
+    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_size: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+
+class WatchRotationsRequest(_message.Message):
+    __slots__ = ("node_id", "after_version")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    after_version: int
+    def __init__(self, node_id: _Optional[str] = ..., after_version: _Optional[int] = ...) -> None: ...
+
+class StatisticsReport(_message.Message):
+    __slots__ = ("node_id", "stage", "step", "boundary", "subspace_version", "gram_times_basis_f64_le", "off_energy", "total_energy", "rows")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    GRAM_TIMES_BASIS_F64_LE_FIELD_NUMBER: _ClassVar[int]
+    OFF_ENERGY_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_ENERGY_FIELD_NUMBER: _ClassVar[int]
+    ROWS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    stage: int
+    step: int
+    boundary: int
+    subspace_version: int
+    gram_times_basis_f64_le: bytes
+    off_energy: float
+    total_energy: float
+    rows: int
+    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., boundary: _Optional[int] = ..., subspace_version: _Optional[int] = ..., gram_times_basis_f64_le: _Optional[bytes] = ..., off_energy: _Optional[float] = ..., total_energy: _Optional[float] = ..., rows: _Optional[int] = ...) -> None: ...
+
+class StatisticsAck(_message.Message):
+    __slots__ = ("accepted", "reason")
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    accepted: bool
+    reason: str
+    def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class StepReport(_message.Message):
+    __slots__ = ("node_id", "stage", "step", "loss", "tokens", "bytes_sent_forward", "bytes_sent_backward", "wall_seconds")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    stage: int
+    step: int
+    loss: float
+    tokens: int
+    bytes_sent_forward: int
+    bytes_sent_backward: int
+    wall_seconds: float
+    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
+
+class StepAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class NodeStatus(_message.Message):
+    __slots__ = ("node_id", "node_name", "address", "stages", "last_heartbeat_age_s", "alive", "device")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    NODE_NAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
+    ALIVE_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    node_name: str
+    address: str
+    stages: _containers.RepeatedScalarFieldContainer[int]
+    last_heartbeat_age_s: float
+    alive: bool
+    device: str
+    def __init__(self, node_id: _Optional[str] = ..., node_name: _Optional[str] = ..., address: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., last_heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., device: _Optional[str] = ...) -> None: ...
+
+class StatusReply(_message.Message):
+    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NODES_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    step: int
+    subspace_version: int
+    nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
+    config_hash: str
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ...) -> None: ...

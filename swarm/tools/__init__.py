@@ -1,0 +1,1 @@
+"""Developer tools run as modules (``python -m swarm.tools.<name>``)."""
