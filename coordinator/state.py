@@ -1,15 +1,19 @@
-"""The coordinator's durable state in SQLite: the run, its nodes, step reports and rotations.
+"""The coordinator's durable state in SQLite: the run, its nodes, step reports, statistics and rotations.
 
 Everything needed to resume after a restart lives here; the in-memory service is
-rebuilt from it. Writes are small and infrequent (joins, one row per reported step,
-one per rotation), so a single connection with WAL journaling is plenty.
+rebuilt from it. Writes are small and infrequent (membership changes, one row per
+reported step, one per boundary statistic and per rotation), so a single connection
+in autocommit mode with WAL journaling is plenty. Heartbeats are not written: a resumed
+coordinator gives every node a fresh grace period anyway.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import sqlite3
 import time
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,17 +21,31 @@ from swarm.config import RunConfig, config_hash
 from swarm.subspace import SubspaceRotation
 
 SCHEMA = """
-CREATE TABLE IF NOT EXISTS run (id TEXT PRIMARY KEY, config_json TEXT NOT NULL, config_hash TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS run (
+    id TEXT PRIMARY KEY, config_json TEXT NOT NULL, config_hash TEXT NOT NULL, auth_token TEXT NOT NULL,
+    plan_epoch INTEGER NOT NULL DEFAULT 0
+);
 CREATE TABLE IF NOT EXISTS nodes (
-    id TEXT PRIMARY KEY, name TEXT, address TEXT, stages TEXT NOT NULL, joined REAL, last_seen REAL,
-    alive INTEGER NOT NULL DEFAULT 1
+    id TEXT PRIMARY KEY, name TEXT, address TEXT, device TEXT, max_stages INTEGER NOT NULL,
+    stages TEXT NOT NULL, alive INTEGER NOT NULL, joined REAL, updated REAL
 );
 CREATE TABLE IF NOT EXISTS steps (
     step INTEGER NOT NULL, stage INTEGER NOT NULL, loss REAL, tokens INTEGER, bytes_forward INTEGER,
-    bytes_backward INTEGER, at REAL, PRIMARY KEY (step, stage)
+    bytes_backward INTEGER, wall_seconds REAL, at REAL, PRIMARY KEY (step, stage)
+);
+CREATE TABLE IF NOT EXISTS statistics (
+    step INTEGER NOT NULL, boundary INTEGER NOT NULL, version INTEGER NOT NULL, data BLOB NOT NULL,
+    PRIMARY KEY (step, boundary)
 );
 CREATE TABLE IF NOT EXISTS rotations (version INTEGER PRIMARY KEY, effective_step INTEGER, message BLOB);
 """
+
+
+@dataclass
+class RunRecord:
+    id: str
+    auth_token: str  # per-run secret for Hello.auth_token on boundary streams
+    plan_epoch: int
 
 
 @dataclass
@@ -35,13 +53,22 @@ class NodeRecord:
     id: str
     name: str
     address: str
+    device: str
+    max_stages: int
     stages: list[int]
-    last_seen: float
     alive: bool
 
 
+@dataclass(frozen=True)
+class SavedStatistic:
+    step: int
+    boundary: int
+    version: int
+    data: bytes  # d x k float64 little-endian, as reported
+
+
 class CoordinatorState:
-    """SQLite-backed run state. ``open`` creates the run or checks the stored one matches."""
+    """SQLite-backed run state. ``open_run`` creates the run or checks the stored one matches."""
 
     def __init__(self, path: str | Path):
         self.path = str(path)
@@ -49,48 +76,72 @@ class CoordinatorState:
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(SCHEMA)
 
-    def open_run(self, run_id: str, config: RunConfig) -> str:
-        """Store a new run, or resume the stored one; a stored run with another config is an error."""
-        row = self.db.execute("SELECT id, config_hash FROM run").fetchone()
+    def open_run(self, run_id: str | None, config: RunConfig) -> RunRecord:
+        """Store a new run (``run_id`` or a fresh id, a fresh auth secret), or resume the stored one.
+
+        A stored run with another config, or another id than a given ``run_id``, is an error.
+        """
+        row = self.db.execute("SELECT id, config_hash, auth_token, plan_epoch FROM run").fetchone()
         digest = config_hash(config)
         if row is None:
-            self.db.execute("INSERT INTO run VALUES (?, ?, ?)", (run_id, config.to_json(), digest))
-            return run_id
+            record = RunRecord(run_id or f"run-{uuid.uuid4().hex[:12]}", secrets.token_hex(32), 0)
+            self.db.execute(
+                "INSERT INTO run VALUES (?, ?, ?, ?, ?)",
+                (record.id, config.to_json(), digest, record.auth_token, record.plan_epoch),
+            )
+            return record
         if row[1] != digest:
             raise ValueError(
                 f"state file {self.path} holds run {row[0]} with config {row[1][:12]}, not {digest[:12]}; "
                 "use another --state file to start a new run"
             )
-        return row[0]
+        if run_id is not None and run_id != row[0]:
+            raise ValueError(f"state file {self.path} holds run {row[0]}, not {run_id}")
+        return RunRecord(row[0], row[2], int(row[3]))
+
+    def set_plan_epoch(self, epoch: int) -> None:
+        self.db.execute("UPDATE run SET plan_epoch = ?", (epoch,))
 
     def upsert_node(self, node: NodeRecord) -> None:
+        now = time.time()
         self.db.execute(
-            "INSERT INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
-            "name=excluded.name, address=excluded.address, stages=excluded.stages, "
-            "last_seen=excluded.last_seen, alive=excluded.alive",
+            "INSERT INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+            "name=excluded.name, address=excluded.address, device=excluded.device, "
+            "max_stages=excluded.max_stages, stages=excluded.stages, alive=excluded.alive, "
+            "updated=excluded.updated",
             (
                 node.id,
                 node.name,
                 node.address,
+                node.device,
+                node.max_stages,
                 json.dumps(node.stages),
-                time.time(),
-                node.last_seen,
                 node.alive,
+                now,
+                now,
             ),
         )
 
     def nodes(self) -> list[NodeRecord]:
+        """Every node ever admitted, in join order."""
         rows = self.db.execute(
-            "SELECT id, name, address, stages, last_seen, alive FROM nodes ORDER BY joined"
+            "SELECT id, name, address, device, max_stages, stages, alive FROM nodes ORDER BY joined, rowid"
         )
-        return [NodeRecord(r[0], r[1], r[2], json.loads(r[3]), r[4], bool(r[5])) for r in rows]
+        return [NodeRecord(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), bool(r[6])) for r in rows]
 
     def record_step(
-        self, step: int, stage: int, loss: float | None, tokens: int, bytes_forward: int, bytes_backward: int
+        self,
+        step: int,
+        stage: int,
+        loss: float | None,
+        tokens: int,
+        bytes_forward: int,
+        bytes_backward: int,
+        wall_seconds: float,
     ) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (step, stage, loss, tokens, bytes_forward, bytes_backward, time.time()),
+            "INSERT OR REPLACE INTO steps VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+            (step, stage, loss, tokens, bytes_forward, bytes_backward, wall_seconds, time.time()),
         )
 
     def completed_step(self, n_stages: int) -> int:
@@ -100,19 +151,52 @@ class CoordinatorState:
         ).fetchone()
         return -1 if row[0] is None else int(row[0])
 
+    def step_summaries(self, n_stages: int, since: int = 0) -> list[tuple]:
+        """(step, loss, tokens, bytes_forward, bytes_backward, wall_seconds) of fully reported steps >= since.
+
+        Loss comes from the last stage, tokens from stage 0, bytes are summed over stages
+        (each stage reports what it sent), wall time is the slowest stage's.
+        """
+        return self.db.execute(
+            "SELECT step, MAX(loss), MAX(CASE WHEN stage = 0 THEN tokens END), SUM(bytes_forward), "
+            "SUM(bytes_backward), MAX(wall_seconds) FROM steps WHERE step >= ? "
+            "GROUP BY step HAVING COUNT(*) = ? ORDER BY step",
+            (since, n_stages),
+        ).fetchall()
+
     def losses(self) -> dict[int, float]:
         rows = self.db.execute("SELECT step, loss FROM steps WHERE loss IS NOT NULL ORDER BY step")
         return {int(s): float(v) for s, v in rows}
 
+    def add_statistic(self, stat: SavedStatistic) -> None:
+        """Keep a boundary statistic until the rotation it feeds is published."""
+        self.db.execute(
+            "INSERT OR REPLACE INTO statistics VALUES (?, ?, ?, ?)",
+            (stat.step, stat.boundary, stat.version, stat.data),
+        )
+
+    def statistics(self) -> list[SavedStatistic]:
+        rows = self.db.execute("SELECT step, boundary, version, data FROM statistics ORDER BY step, boundary")
+        return [SavedStatistic(int(r[0]), int(r[1]), int(r[2]), bytes(r[3])) for r in rows]
+
     def add_rotation(self, rotation: SubspaceRotation) -> None:
+        """Persist a published rotation; the statistics it consumed are dropped."""
         self.db.execute(
             "INSERT OR REPLACE INTO rotations VALUES (?, ?, ?)",
             (rotation.version, rotation.effective_step, rotation.to_bytes()),
         )
+        self.db.execute("DELETE FROM statistics WHERE version < ?", (rotation.version,))
 
-    def rotations(self) -> list[SubspaceRotation]:
-        rows = self.db.execute("SELECT message FROM rotations ORDER BY version")
+    def rotations(self, after_version: int = -1) -> list[SubspaceRotation]:
+        """Persisted rotations with version > ``after_version``, ascending."""
+        rows = self.db.execute(
+            "SELECT message FROM rotations WHERE version > ? ORDER BY version", (after_version,)
+        )
         return [SubspaceRotation.from_bytes(bytes(r[0])) for r in rows]
+
+    def last_rotation(self) -> SubspaceRotation | None:
+        row = self.db.execute("SELECT message FROM rotations ORDER BY version DESC LIMIT 1").fetchone()
+        return None if row is None else SubspaceRotation.from_bytes(bytes(row[0]))
 
     def close(self) -> None:
         self.db.close()

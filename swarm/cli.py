@@ -11,7 +11,7 @@ import tomllib
 from swarm.config import MODEL_PRESETS, RunConfig, config_hash
 
 DEFAULT_RUN = {
-    "model": dataclasses.asdict(dataclasses.replace(MODEL_PRESETS["small"], subspace_rank=32)),
+    "model": dataclasses.asdict(MODEL_PRESETS["small"]),
     "codec": {"kind": "subspace", "forward_format": "bf16", "backward_format": "bf16"},
     "train": {"steps": 200, "batch_size": 8, "seq_len": 128, "microbatches": 2},
     "n_stages": 4,
@@ -47,8 +47,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
     else:
         d = json.loads(json.dumps(DEFAULT_RUN))
     if args.preset:
-        rank = d.get("model", {}).get("subspace_rank", 0) if isinstance(d.get("model"), dict) else 0
-        d["model"] = dataclasses.asdict(dataclasses.replace(MODEL_PRESETS[args.preset], subspace_rank=rank))
+        d["model"] = dataclasses.asdict(MODEL_PRESETS[args.preset])
     overrides = {
         ("codec", "kind"): args.codec,
         ("codec", "forward_format"): args.forward_format,
@@ -88,6 +87,39 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_up(args: argparse.Namespace) -> int:
+    from swarm.local_swarm import up
+
+    config = run_config_from_args(args)
+    print(
+        f"run {config_hash(config)[:12]}: {config.n_stages} stages, codec {config.codec.kind}, "
+        f"folder {args.run_dir}"
+    )
+    try:
+        s = up(
+            config,
+            args.run_dir,
+            nodes=args.nodes,
+            stages_per_node=args.stages_per_node,
+            link_mbps=args.link_mbps,
+            link_latency_ms=args.link_latency_ms,
+            device=args.device,
+            use_dht=not args.no_dht,
+        )
+    except KeyboardInterrupt:
+        print("\nstopped: every coordinator and node process was terminated")
+        return 130
+    dense = 4 * config.model.d_model  # bf16 activations forward + bf16 gradients backward
+    print(
+        f"\n{s.steps} steps, {s.tokens} tokens in {s.seconds:.1f} s ({s.tokens_per_second:.0f} tok/s)\n"
+        f"training loss {s.losses[0]:.3f} -> {s.losses[-1]:.3f}\n"
+        f"wire bytes/token/boundary {s.wire_bytes_per_token:.1f} "
+        f"(bf16 dense {dense}: {dense / s.wire_bytes_per_token:.1f}x less)\n"
+        f"logs: {args.run_dir}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="swarm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -96,6 +128,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1 ...")
     p.add_argument("--out", help="folder for summary.json")
     p.set_defaults(func=cmd_train)
+    p = sub.add_parser(
+        "up", help="a coordinator and one node process per stage on loopback, training together"
+    )
+    add_run_arguments(p)
+    p.add_argument("--nodes", type=int, help="node processes (default: one per stages-per-node stages)")
+    p.add_argument("--stages-per-node", type=int, default=1)
+    p.add_argument("--link-mbps", type=float, default=0.0, help="emulated link rate per node (0: unlimited)")
+    p.add_argument("--link-latency-ms", type=float, default=0.0, help="emulated one-way delay per node")
+    p.add_argument("--device", default="cpu", help="device of every node (auto picks CUDA when present)")
+    p.add_argument("--run-dir", default="runs/up", help="folder for logs, caches and coordinator state")
+    p.add_argument("--no-dht", action="store_true", help="skip hivemind discovery")
+    p.set_defaults(func=cmd_up)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

@@ -39,7 +39,7 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    subspace_rank: int = 0
+    subspace_rank: int = 32
     constrain_writes: bool = True
 
     def __post_init__(self) -> None:
@@ -59,13 +59,25 @@ class ModelConfig:
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(vocab_size=512, d_model=64, n_layers=4, n_heads=4, d_ff=172, max_seq_len=64),
-    "small": ModelConfig(),
-    "150m": ModelConfig(vocab_size=32000, d_model=1024, n_layers=12, n_heads=16, d_ff=2816, max_seq_len=1024),
-    "2b-8layer": ModelConfig(
-        vocab_size=32000, d_model=4096, n_layers=8, n_heads=32, d_ff=11008, max_seq_len=2048
+    "tiny": ModelConfig(
+        vocab_size=512, d_model=64, n_layers=4, n_heads=4, d_ff=172, max_seq_len=64, subspace_rank=16
     ),
-    "8b": ModelConfig(vocab_size=128256, d_model=4096, n_layers=32, n_heads=32, d_ff=14336, max_seq_len=4096),
+    "small": ModelConfig(),
+    "150m": ModelConfig(
+        vocab_size=32000, d_model=1024, n_layers=12, n_heads=16, d_ff=2816, max_seq_len=1024, subspace_rank=64
+    ),
+    "2b-8layer": ModelConfig(
+        vocab_size=32000, d_model=4096, n_layers=8, n_heads=32, d_ff=11008, max_seq_len=2048, subspace_rank=40
+    ),
+    "8b": ModelConfig(
+        vocab_size=128256,
+        d_model=4096,
+        n_layers=32,
+        n_heads=32,
+        d_ff=14336,
+        max_seq_len=4096,
+        subspace_rank=40,
+    ),
 }
 
 
@@ -166,6 +178,25 @@ class RunConfig:
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), sort_keys=True)
+
+    def to_toml(self) -> str:
+        """The configuration as TOML that :meth:`from_toml` reads back (``None`` values are omitted)."""
+        top, sections = [], []
+        for key, value in self.to_dict().items():
+            if isinstance(value, dict):
+                body = [f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None]
+                sections.append(f"[{key}]\n" + "\n".join(body))
+            elif value is not None:
+                top.append(f"{key} = {_toml_value(value)}")
+        return "\n".join(top) + "\n\n" + "\n\n".join(sections) + "\n"
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    return json.dumps(str(value))
 
 
 def _build(kind: type, value: Any, section: str) -> Any:

@@ -5,6 +5,10 @@ The coordinator runs a DHT peer; nodes join it and publish, per hosted stage, a 
 they live. Neighbours look each other up there (addresses change when a node restarts
 on another port); the coordinator remains the authority on who hosts which stage.
 
+The DHT runs in-process (``DHTNode`` on the caller's event loop; hivemind only
+fork-execs its ``p2pd`` daemon), not as ``hivemind.DHT``'s forked process: forking a
+process whose gRPC threads are already running can deadlock the child.
+
 Local runs and tests must never send discovery packets off the machine: the default
 here is loopback listening with NAT port mapping (UPnP/NAT-PMP) off, and only an
 explicit ``public=True`` (a production flag) turns port mapping on.
@@ -12,33 +16,30 @@ explicit ``public=True`` (a production flag) turns port mapping on.
 
 from __future__ import annotations
 
-import time
+import asyncio
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import hivemind
+from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 
 LOOPBACK_MADDR = "/ip4/127.0.0.1/tcp/0"
 RECORD_TTL_S = 60.0
 
 
-def start_dht(
+async def start_dht(
     initial_peers: Sequence[str] = (),
     host_maddrs: Sequence[str] = (LOOPBACK_MADDR,),
     public: bool = False,
-) -> hivemind.DHT:
-    """Start a DHT peer. ``public=False`` (default) keeps NAT port mapping off."""
-    return hivemind.DHT(
-        initial_peers=list(initial_peers),
-        host_maddrs=list(host_maddrs),
-        nat_port_map=public,
-        start=True,
+) -> DHTNode:
+    """Start a DHT peer on the running loop. ``public=False`` (default) keeps NAT port mapping off."""
+    return await DHTNode.create(
+        initial_peers=list(initial_peers), host_maddrs=list(host_maddrs), nat_port_map=public
     )
 
 
-def visible_maddrs(dht: hivemind.DHT) -> list[str]:
-    return [str(m) for m in dht.get_visible_maddrs()]
+async def visible_maddrs(dht: DHTNode) -> list[str]:
+    return [str(m) for m in await dht.protocol.p2p.get_visible_maddrs()]
 
 
 @dataclass(frozen=True)
@@ -51,25 +52,28 @@ def stage_key(run_id: str, stage: int) -> str:
     return f"{run_id}/stage/{stage}"
 
 
-def publish_stage(dht: hivemind.DHT, run_id: str, stage: int, endpoint: StageEndpoint) -> bool:
+async def publish_stage(dht: DHTNode, run_id: str, stage: int, endpoint: StageEndpoint) -> bool:
     """Publish (or refresh) the endpoint of a hosted stage for ``RECORD_TTL_S`` seconds."""
     value = {"node_id": endpoint.node_id, "address": endpoint.address}
-    return bool(dht.store(stage_key(run_id, stage), value, expiration_time=get_dht_time() + RECORD_TTL_S))
+    return bool(
+        await dht.store(stage_key(run_id, stage), value, expiration_time=get_dht_time() + RECORD_TTL_S)
+    )
 
 
-def find_stage(
-    dht: hivemind.DHT, run_id: str, stage: int, node_id: str | None = None, timeout: float = 30.0
+async def find_stage(
+    dht: DHTNode, run_id: str, stage: int, node_id: str | None = None, timeout: float = 30.0
 ) -> StageEndpoint:
     """Look up a stage's endpoint, waiting until one (published by ``node_id``, if given) appears."""
-    deadline = time.monotonic() + timeout
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
     while True:
-        found = dht.get(stage_key(run_id, stage), latest=True)
+        found = await dht.get(stage_key(run_id, stage), latest=True)
         if found is not None and isinstance(found.value, dict):
             endpoint = StageEndpoint(str(found.value.get("node_id", "")), str(found.value.get("address", "")))
             if node_id is None or endpoint.node_id == node_id:
                 return endpoint
-        if time.monotonic() > deadline:
+        if loop.time() > deadline:
             raise TimeoutError(
                 f"no DHT record for stage {stage} of run {run_id} (node {node_id}) in {timeout}s"
             )
-        time.sleep(0.2)
+        await asyncio.sleep(0.2)

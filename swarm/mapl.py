@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from swarm.codecs.base import PayloadError, check_finite
 from swarm.model import name_seed
 from swarm.subspace import random_basis
 
@@ -67,3 +68,25 @@ def set_boundary_gradients(boundary: MaplBoundary, grads: dict[str, torch.Tensor
 
 def sum_gradients(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: a[name] + b[name].to(a[name].device) for name in a}
+
+
+def pack_gradients(grads: dict[str, torch.Tensor]) -> bytes:
+    """A gradient share as float32 little-endian bytes, in the boundary's parameter order."""
+    return b"".join(
+        g.detach().cpu().float().contiguous().numpy().astype("<f4").tobytes() for g in grads.values()
+    )
+
+
+def unpack_gradients(data: bytes, boundary: MaplBoundary) -> dict[str, torch.Tensor]:
+    """Inverse of :func:`pack_gradients` for ``boundary``'s parameters; checks the size and finiteness."""
+    params = dict(boundary.named_parameters())
+    expected = 4 * sum(p.numel() for p in params.values())
+    if len(data) != expected:
+        raise PayloadError(f"MAPL gradient share must be {expected} bytes, got {len(data)}")
+    flat = torch.frombuffer(bytearray(data), dtype=torch.float32)
+    check_finite(flat, "MAPL gradient share")
+    out, offset = {}, 0
+    for name, p in params.items():
+        out[name] = flat[offset : offset + p.numel()].view(p.shape).to(device=p.device, dtype=p.dtype)
+        offset += p.numel()
+    return out

@@ -36,12 +36,20 @@ class StepResult:
         return (sum(self.bytes_forward) + sum(self.bytes_backward) + self.bytes_sync) / n / self.tokens
 
 
+def initial_basis(config: RunConfig) -> torch.Tensor | None:
+    """The version-0 subspace basis of a run (None without a subspace), regenerated from its seed."""
+    m = config.model
+    return (
+        random_basis(m.d_model, m.subspace_rank, name_seed(config.train.seed, "basis"))
+        if m.subspace_rank
+        else None
+    )
+
+
 def initial_artifacts(config: RunConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The frozen token embedding and the version-0 basis every stage of a run starts from."""
-    m, seed = config.model, config.train.seed
-    fixed = fixed_embedding(m.vocab_size, m.d_model, seed)
-    basis = random_basis(m.d_model, m.subspace_rank, name_seed(seed, "basis")) if m.subspace_rank else None
-    return fixed, basis
+    m = config.model
+    return fixed_embedding(m.vocab_size, m.d_model, config.train.seed), initial_basis(config)
 
 
 class LocalPipeline:

@@ -96,3 +96,17 @@ class GradientFrame:
     @property
     def nbytes(self) -> int:
         return self.payload.nbytes
+
+
+@dataclass(frozen=True)
+class BoundarySync:
+    """Per-step boundary state for the neighbour: a MAPL gradient share or an RVQ codebook delta."""
+
+    step: int
+    boundary: int
+    mapl_gradients: bytes = b""
+    codebook_delta: bytes = b""
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.mapl_gradients) + len(self.codebook_delta)

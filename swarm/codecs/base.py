@@ -25,6 +25,10 @@ class PayloadError(ValueError):
     """A payload that cannot be decoded: wrong size, shape, version, or non-finite values."""
 
 
+class StaleVersionError(PayloadError):
+    """Coordinates encoded under a subspace version the receiver is not at."""
+
+
 @dataclass(frozen=True)
 class EncodedTensor:
     """A matrix serialised by a :class:`TensorFormat`: what travels on the wire."""

@@ -208,8 +208,26 @@ class StepAck(_message.Message):
     def __init__(self) -> None: ...
 
 class StatusRequest(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("since_step",)
+    SINCE_STEP_FIELD_NUMBER: _ClassVar[int]
+    since_step: int
+    def __init__(self, since_step: _Optional[int] = ...) -> None: ...
+
+class StepSummary(_message.Message):
+    __slots__ = ("step", "loss", "tokens", "bytes_sent_forward", "bytes_sent_backward", "wall_seconds")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    LOSS_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_FORWARD_FIELD_NUMBER: _ClassVar[int]
+    BYTES_SENT_BACKWARD_FIELD_NUMBER: _ClassVar[int]
+    WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    loss: float
+    tokens: int
+    bytes_sent_forward: int
+    bytes_sent_backward: int
+    wall_seconds: float
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("node_id", "node_name", "address", "stages", "last_heartbeat_age_s", "alive", "device")
@@ -230,15 +248,19 @@ class NodeStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_name: _Optional[str] = ..., address: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., last_heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., device: _Optional[str] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash")
+    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
     NODES_FIELD_NUMBER: _ClassVar[int]
     CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
+    STEPS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
+    STEPS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     subspace_version: int
     nodes: _containers.RepeatedCompositeFieldContainer[NodeStatus]
     config_hash: str
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ...) -> None: ...
+    steps_completed: int
+    steps: _containers.RepeatedCompositeFieldContainer[StepSummary]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ...) -> None: ...

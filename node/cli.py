@@ -1,0 +1,96 @@
+"""``swarm-node join``: host pipeline stages of a run on this machine."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+from pathlib import Path
+
+import uvloop
+
+from node.daemon import NodeDaemon, NodeSettings, say
+from swarm.transport.shaper import LinkProfile
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="swarm-node", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("join", help="join a run and train until it ends")
+    p.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
+    p.add_argument(
+        "--token", default=os.environ.get("SWARM_TOKEN", ""), help="join token (or env SWARM_TOKEN)"
+    )
+    p.add_argument(
+        "--listen",
+        default="127.0.0.1:0",
+        help="HOST:PORT for the Stage service; '' to only dial out (no inbound)",
+    )
+    p.add_argument(
+        "--announce", default="", help="address neighbours dial (default: the bound listen address)"
+    )
+    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda:0 ...")
+    p.add_argument(
+        "--stages", type=int, default=1, help="how many consecutive stages this node offers to host"
+    )
+    p.add_argument(
+        "--data-dir", default="swarm-node-data", help="cache folder (embedding, tokenizer, tokens)"
+    )
+    p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (0: any free port; -1: off)")
+    p.add_argument(
+        "--link-mbps", type=float, default=0.0, help="emulate a link of this rate on sends (0: off)"
+    )
+    p.add_argument("--link-latency-ms", type=float, default=0.0, help="emulated one-way delay on sends")
+    p.add_argument(
+        "--no-dht", action="store_true", help="skip DHT discovery; use the coordinator's addresses"
+    )
+    p.add_argument("--public-dht", action="store_true", help="allow NAT port mapping (production only)")
+    p.add_argument("--name", default="", help="node name shown in status")
+    p.add_argument("--connect-timeout", type=float, default=60.0)
+    return parser.parse_args(argv)
+
+
+async def _run(settings: NodeSettings) -> int:
+    task = asyncio.current_task()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, task.cancel)
+    try:
+        result = await NodeDaemon(settings).run()
+    except asyncio.CancelledError:
+        say("node stopped by signal")
+        return 130
+    say(f"node {result.node_id[:8]} finished {result.steps} steps on stages {result.stages}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    settings = NodeSettings(
+        coordinator=args.coordinator,
+        token=args.token,
+        listen=args.listen,
+        announce=args.announce,
+        device=args.device,
+        max_stages=args.stages,
+        data_dir=Path(args.data_dir),
+        metrics_port=args.metrics_port,
+        link=LinkProfile(args.link_mbps, args.link_latency_ms),
+        use_dht=not args.no_dht,
+        public_dht=args.public_dht,
+        name=args.name,
+        connect_timeout=args.connect_timeout,
+    )
+    try:
+        return uvloop.run(_run(settings))
+    except (RuntimeError, ValueError) as e:
+        print(f"swarm-node: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,244 @@
+"""Boundary streams between stages: one bidirectional gRPC stream per boundary, either side dialling.
+
+Whichever side opened it, a stream starts with a ``Hello`` each way (protocol version,
+run id, config hash, boundary, stage, the run's stage secret); a mismatch is answered
+with an ``Error`` and the stream closes. After that the stream is symmetric: the
+upstream side sends activation frames and MAPL/RVQ syncs, the downstream side
+gradient frames and syncs. :class:`StageLink` wraps either end (the client call or the
+server context) behind one ``send`` and a reader that hands every message, already
+validated and converted, to a ``deliver`` callback. :class:`LocalLink` connects two
+stages hosted by the same node without a socket.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import grpc
+
+from swarm._proto.swarm.v1 import stage_pb2, stage_pb2_grpc
+from swarm.codecs.base import PayloadError
+from swarm.metrics import Metrics
+from swarm.transport.frames import PROTOCOL_VERSION, frame_from_message, to_message
+from swarm.transport.shaper import UNSHAPED, LinkProfile, ShapedSender
+from swarm.wire import ActivationFrame, BoundarySync, GradientFrame
+
+log = logging.getLogger(__name__)
+
+MAX_MESSAGE_BYTES = 64 << 20
+GRPC_OPTIONS = [
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+]
+
+Item = ActivationFrame | GradientFrame | BoundarySync
+Deliver = Callable[[Item], None]
+
+
+class LinkError(RuntimeError):
+    """The peer refused the stream or reported an error on it."""
+
+
+@dataclass(frozen=True)
+class RunIdentity:
+    """What both ends of a boundary stream must agree on."""
+
+    run_id: str
+    config_hash: str
+    auth_token: str
+    node_id: str
+
+
+def hello(identity: RunIdentity, boundary: int, stage: int) -> stage_pb2.StageMessage:
+    return stage_pb2.StageMessage(
+        hello=stage_pb2.Hello(
+            protocol_version=PROTOCOL_VERSION,
+            run_id=identity.run_id,
+            config_hash=identity.config_hash,
+            boundary=boundary,
+            stage=stage,
+            auth_token=identity.auth_token,
+            node_id=identity.node_id,
+        )
+    )
+
+
+def check_hello(
+    msg: stage_pb2.StageMessage | object, identity: RunIdentity, boundary: int | None, peer_stage_of
+) -> tuple[int, str] | None:
+    """``None`` if ``msg`` is an acceptable Hello, else ``(ErrorCode, reason)``.
+
+    ``peer_stage_of(boundary)`` gives the stage the peer must host at that boundary
+    (``None`` for a boundary this node does not serve).
+    """
+    if not isinstance(msg, stage_pb2.StageMessage) or msg.WhichOneof("body") != "hello":
+        return stage_pb2.ERROR_CODE_UNEXPECTED_MESSAGE, "the first message of a stream must be a Hello"
+    h = msg.hello
+    if h.protocol_version != PROTOCOL_VERSION:
+        return (
+            stage_pb2.ERROR_CODE_PROTOCOL_VERSION,
+            f"protocol {h.protocol_version}, want {PROTOCOL_VERSION}",
+        )
+    if not hmac.compare_digest(h.auth_token.encode(), identity.auth_token.encode()):
+        return stage_pb2.ERROR_CODE_UNAUTHENTICATED, "bad stage auth token"
+    if h.run_id != identity.run_id or h.config_hash != identity.config_hash:
+        return stage_pb2.ERROR_CODE_CONFIG_MISMATCH, f"peer is in run {h.run_id} config {h.config_hash[:12]}"
+    if (boundary is not None and h.boundary != boundary) or peer_stage_of(h.boundary) != h.stage:
+        return (
+            stage_pb2.ERROR_CODE_WRONG_BOUNDARY,
+            f"boundary {h.boundary} stage {h.stage} is not served here",
+        )
+    return None
+
+
+def error_message(code: int, reason: str) -> stage_pb2.StageMessage:
+    return stage_pb2.StageMessage(error=stage_pb2.Error(code=code, message=reason))
+
+
+def sync_to_message(sync: BoundarySync) -> stage_pb2.StageMessage:
+    return stage_pb2.StageMessage(
+        sync=stage_pb2.BoundarySync(
+            step=sync.step,
+            boundary=sync.boundary,
+            mapl_gradients=sync.mapl_gradients,
+            codebook_delta=sync.codebook_delta,
+        )
+    )
+
+
+def item_from_message(msg: stage_pb2.StageMessage) -> Item:
+    """Convert a stream message to the runner's item; :class:`LinkError` for a peer's Error."""
+    body = msg.WhichOneof("body")
+    if body == "sync":
+        s = msg.sync
+        return BoundarySync(s.step, s.boundary, s.mapl_gradients, s.codebook_delta)
+    if body == "error":
+        name = stage_pb2.ErrorCode.Name(msg.error.code)
+        raise LinkError(f"peer reported {name}: {msg.error.message}")
+    return frame_from_message(msg)
+
+
+class LocalLink:
+    """Two stages on one node: frames are handed over in memory (still encoded bytes)."""
+
+    def __init__(self, deliver: Deliver):
+        self.deliver = deliver
+
+    async def send(self, item: Item) -> int:
+        self.deliver(item)
+        return item.nbytes
+
+    async def send_error(self, code: int, reason: str) -> None:
+        """The receiving stage on this node raises the error itself; nothing to send."""
+
+    async def close(self) -> None:
+        """Nothing to flush in memory."""
+
+
+class StageLink:
+    """One end of a boundary stream over gRPC, whichever side dialled."""
+
+    def __init__(
+        self,
+        boundary: int,
+        read: Callable[[], Awaitable[object]],
+        write: Callable[[stage_pb2.StageMessage], Awaitable[None]],
+        metrics: Metrics,
+        profile: LinkProfile = UNSHAPED,
+        finish: Callable[[], Awaitable[None]] | None = None,
+    ):
+        self.boundary, self._read, self.metrics, self._finish = boundary, read, metrics, finish
+        self._sender = ShapedSender(write, profile) if profile.shaped else None
+        self._write = write
+        self.bytes_sent = 0
+
+    async def send(self, item: Item) -> int:
+        """Send one item; returns its serialized size (what crossed the wire)."""
+        msg = sync_to_message(item) if isinstance(item, BoundarySync) else to_message(item)
+        size = msg.ByteSize()
+        direction = "forward" if isinstance(item, ActivationFrame) else "backward"
+        if isinstance(item, BoundarySync):
+            direction = "sync"
+        self.metrics.wire_bytes.labels(str(self.boundary), direction, "sent").inc(size)
+        self.bytes_sent += size
+        if self._sender is not None:
+            await self._sender.send(msg, size)
+        else:
+            await self._write(msg)
+        return size
+
+    async def send_error(self, code: int, reason: str) -> None:
+        try:
+            await self._write(error_message(code, reason))
+        except Exception:  # the stream may already be gone; the error is logged by the caller
+            log.debug("could not send error on boundary %d", self.boundary)
+
+    async def read_into(self, deliver: Deliver) -> None:
+        """Deliver every message until the stream ends; malformed messages are counted and answered."""
+        while True:
+            msg = await self._read()
+            if msg is grpc.aio.EOF or msg is None:
+                return
+            try:
+                item = item_from_message(msg)
+            except PayloadError as e:
+                self.metrics.rejected.labels("bad_payload").inc()
+                log.warning("boundary %d: rejected message: %s", self.boundary, e)
+                await self.send_error(stage_pb2.ERROR_CODE_BAD_PAYLOAD, str(e))
+                continue
+            self.metrics.wire_bytes.labels(str(self.boundary), _direction(item), "received").inc(
+                msg.ByteSize()
+            )
+            deliver(item)
+
+    async def close(self) -> None:
+        """Flush the emulated link, then half-close the stream (dialling side)."""
+        if self._sender is not None:
+            await self._sender.close()
+        if self._finish is not None:
+            await self._finish()
+
+
+def _direction(item: Item) -> str:
+    if isinstance(item, ActivationFrame):
+        return "forward"
+    return "backward" if isinstance(item, GradientFrame) else "sync"
+
+
+async def dial(
+    address: str,
+    identity: RunIdentity,
+    boundary: int,
+    local_stage: int,
+    peer_stage: int,
+    metrics: Metrics,
+    profile: LinkProfile = UNSHAPED,
+    timeout: float = 30.0,
+) -> tuple[StageLink, grpc.aio.Channel]:
+    """Open the boundary stream to ``address`` and exchange Hellos; retries until ``timeout``."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        try:
+            call = stage_pb2_grpc.StageStub(channel).Exchange()
+            await call.write(hello(identity, boundary, local_stage))
+            reply = await asyncio.wait_for(call.read(), timeout=max(1.0, deadline - loop.time()))
+            if isinstance(reply, stage_pb2.StageMessage) and reply.WhichOneof("body") == "error":
+                item_from_message(reply)  # raises LinkError with the peer's reason
+            problem = check_hello(reply, identity, boundary, lambda b: peer_stage)
+            if problem is not None:
+                raise LinkError(f"boundary {boundary}: peer at {address} answered badly: {problem[1]}")
+            return StageLink(boundary, call.read, call.write, metrics, profile, call.done_writing), channel
+        except (TimeoutError, grpc.aio.AioRpcError) as e:
+            await channel.close()
+            if loop.time() > deadline:
+                raise LinkError(f"boundary {boundary}: could not reach {address}: {e}") from None
+            await asyncio.sleep(0.3)
+        except LinkError:
+            await channel.close()
+            raise

@@ -1,0 +1,192 @@
+"""The microbatch schedule of one hosted stage: GPipe over real boundary streams.
+
+Per step, stage 0 sends every microbatch forward as soon as it is computed (sends are
+queued, so compute overlaps the wire); middle stages forward what arrives; the last
+stage computes the loss of all microbatches, then sends their gradients back in
+reverse order; every stage backpropagates gradients as they arrive. Then neighbours
+exchange boundary state (MAPL gradient shares, RVQ codebook deltas), the optimizer
+steps, and a rotation announced for the next step is waited for and applied.
+
+Compute runs in a worker thread (``asyncio.to_thread``) so the event loop keeps
+streams flowing while a stage is busy. Malformed or stale frames are rejected with a
+counter and an ``Error`` to the peer, never applied.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+
+import torch
+
+from swarm._proto.swarm.v1 import stage_pb2
+from swarm.codecs.base import PayloadError, StaleVersionError
+from swarm.mapl import pack_gradients, sum_gradients, unpack_gradients
+from swarm.metrics import Metrics
+from swarm.wire import ActivationFrame, BoundarySync, GradientFrame
+from swarm.worker import StageStats, StageWorker
+
+log = logging.getLogger(__name__)
+
+STEP_TIMEOUT_S = 300.0
+
+
+class StageTimeout(RuntimeError):
+    """A neighbour stopped sending within the step timeout."""
+
+
+@dataclass
+class StepOutcome:
+    stage: int
+    step: int
+    stats: StageStats
+    wire_bytes_forward: int
+    wire_bytes_backward: int
+    seconds: float
+
+
+class StageRunner:
+    """Runs one :class:`StageWorker` against its two links, one step at a time."""
+
+    def __init__(
+        self,
+        worker: StageWorker,
+        metrics: Metrics,
+        batch_for_step: Callable[[int], torch.Tensor] | None = None,
+        rotation_ready: Callable[[int], Awaitable[None]] | None = None,
+        timeout: float = STEP_TIMEOUT_S,
+    ):
+        self.worker, self.metrics, self.timeout = worker, metrics, timeout
+        self.batch_for_step, self.rotation_ready = batch_for_step, rotation_ready
+        self.upstream = None  # link to stage index-1 (StageLink or LocalLink)
+        self.downstream = None  # link to stage index+1
+        self._activations: asyncio.Queue[ActivationFrame] = asyncio.Queue()
+        self._gradients: asyncio.Queue[GradientFrame] = asyncio.Queue()
+        self._syncs_up: asyncio.Queue[BoundarySync] = asyncio.Queue()
+        self._syncs_down: asyncio.Queue[BoundarySync] = asyncio.Queue()
+        self.failure: Exception | None = None
+
+    @property
+    def index(self) -> int:
+        return self.worker.index
+
+    # -- delivery from links --------------------------------------------------------------------
+
+    def deliver_from_upstream(self, item) -> None:
+        (self._activations if isinstance(item, ActivationFrame) else self._syncs_up).put_nowait(item)
+
+    def deliver_from_downstream(self, item) -> None:
+        (self._gradients if isinstance(item, GradientFrame) else self._syncs_down).put_nowait(item)
+
+    def fail(self, error: Exception) -> None:
+        """A link broke: wake the step with the error."""
+        self.failure = error
+        for q in (self._activations, self._gradients, self._syncs_up, self._syncs_down):
+            q.put_nowait(None)
+
+    async def _get(self, queue: asyncio.Queue, what: str, step: int):
+        try:
+            item = await asyncio.wait_for(queue.get(), timeout=self.timeout)
+        except TimeoutError:
+            raise StageTimeout(
+                f"stage {self.index}: no {what} for step {step} within {self.timeout:.0f}s"
+            ) from None
+        if item is None:
+            raise self.failure or RuntimeError("link closed")
+        return item
+
+    # -- one step -------------------------------------------------------------------------------
+
+    async def run_step(self, step: int) -> StepOutcome:
+        start = time.perf_counter()
+        w, n_micro = self.worker, self.worker.config.train.microbatches
+        if self.rotation_ready is not None:
+            await self.rotation_ready(step)
+        w.begin_step(step)
+        if self.upstream is not None and w.inbound.forward_format.name == "rvq" and step > 0:
+            sync = await self._get(self._syncs_up, "codebook delta", step)
+            w.apply_codebook_delta(sync.codebook_delta)
+        fwd_wire = bwd_wire = 0
+        if w.is_first:
+            for mb, ids in enumerate(self.batch_for_step(step).chunk(n_micro)):
+                frame = await asyncio.to_thread(w.forward, step, mb, ids)
+                fwd_wire += await self._send_down(frame)
+        else:
+            for _ in range(n_micro):
+                frame = await self._get(self._activations, "activation", step)
+                out = await self._forward(step, frame)
+                if not w.is_last:
+                    fwd_wire += await self._send_down(out)
+        if w.is_last:
+            for mb in reversed(range(n_micro)):
+                grad = await asyncio.to_thread(w.backward, step, mb)
+                bwd_wire += await self.upstream.send(grad) if self.upstream is not None else 0
+        else:
+            for _ in range(n_micro):
+                frame = await self._get(self._gradients, "gradient", step)
+                grad = await self._backward(step, frame)
+                if grad is not None:
+                    bwd_wire += await self.upstream.send(grad)
+        await self._exchange_mapl_shares(step)
+        stats = await asyncio.to_thread(w.optimizer_step, step)
+        delta = await asyncio.to_thread(w.codebook_delta)
+        if delta is not None:
+            await self.downstream.send(BoundarySync(step, w.index, codebook_delta=delta))
+        seconds = time.perf_counter() - start
+        self._observe(step, stats, seconds)
+        return StepOutcome(w.index, step, stats, fwd_wire, bwd_wire, seconds)
+
+    async def _send_down(self, frame: ActivationFrame) -> int:
+        return await self.downstream.send(frame)
+
+    async def _forward(self, step: int, frame: ActivationFrame):
+        try:
+            return await asyncio.to_thread(self.worker.forward, step, frame.microbatch, frame)
+        except PayloadError as e:
+            await self._reject(self.upstream, e)
+            raise
+
+    async def _backward(self, step: int, frame: GradientFrame):
+        try:
+            return await asyncio.to_thread(self.worker.backward, step, frame.microbatch, frame)
+        except PayloadError as e:
+            await self._reject(self.downstream, e)
+            raise
+
+    async def _reject(self, link, error: PayloadError) -> None:
+        stale = isinstance(error, StaleVersionError)
+        self.metrics.rejected.labels("subspace_version" if stale else "bad_payload").inc()
+        code = stage_pb2.ERROR_CODE_SUBSPACE_VERSION if stale else stage_pb2.ERROR_CODE_BAD_PAYLOAD
+        await link.send_error(code, str(error))
+
+    async def _exchange_mapl_shares(self, step: int) -> None:
+        """Send this side's MAPL gradient shares, add the neighbours' (the sum is identical on both)."""
+        w = self.worker
+        if "out" in w.mapl:
+            share = w.boundary_gradients("out")
+            await self.downstream.send(BoundarySync(step, w.index, mapl_gradients=pack_gradients(share)))
+        if "in" in w.mapl:
+            share_in = w.boundary_gradients("in")
+            await self.upstream.send(BoundarySync(step, w.index - 1, mapl_gradients=pack_gradients(share_in)))
+            peer = await self._get(self._syncs_up, "MAPL gradient share", step)
+            w.set_boundary_gradients(
+                "in", sum_gradients(unpack_gradients(peer.mapl_gradients, w.mapl["in"]), share_in)
+            )
+        if "out" in w.mapl:
+            peer = await self._get(self._syncs_down, "MAPL gradient share", step)
+            w.set_boundary_gradients(
+                "out", sum_gradients(share, unpack_gradients(peer.mapl_gradients, w.mapl["out"]))
+            )
+
+    def _observe(self, step: int, stats: StageStats, seconds: float) -> None:
+        stage = str(self.index)
+        self.metrics.tokens.labels(stage).inc(stats.tokens)
+        self.metrics.step.labels(stage).set(step)
+        self.metrics.step_seconds.labels(stage).observe(seconds)
+        if stats.loss_count:
+            self.metrics.loss.set(stats.loss_sum / stats.loss_count)
+        if stats.off_subspace_fraction is not None:
+            self.metrics.off_subspace.labels(stage).set(stats.off_subspace_fraction)

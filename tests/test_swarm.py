@@ -1,0 +1,110 @@
+"""Real local swarms: a coordinator and node daemons as separate processes on 127.0.0.1."""
+
+from __future__ import annotations
+
+import dataclasses
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from swarm.artifacts import ArtifactCache
+from swarm.config import MODEL_PRESETS, CodecConfig, RotationConfig, RunConfig, TrainConfig
+from swarm.data import BatchSampler
+from swarm.local_swarm import up
+from swarm.pipeline import LocalPipeline
+from swarm.train import batch_ids, load_dataset
+
+FRAMING_BYTES_PER_FRAME = 64
+
+
+def swarm_config(n_stages: int = 3, steps: int = 20, rotate_every: int = 0) -> RunConfig:
+    return RunConfig(
+        model=dataclasses.replace(MODEL_PRESETS["tiny"]),
+        codec=CodecConfig(kind="subspace", forward_format="bf16", backward_format="bf16"),
+        rotation=RotationConfig(interval=rotate_every, max_angle=0.1),
+        train=TrainConfig(steps=steps, batch_size=4, seq_len=32, microbatches=2, lr=1e-2, warmup_steps=5),
+        n_stages=n_stages,
+    )
+
+
+def reference_run(config: RunConfig, cache: Path) -> tuple[list[float], list[list[int]], list[list[int]]]:
+    """Per-step losses and codec-accounted bytes of the single-process pipeline on the same batches."""
+    t = config.train
+    sampler = BatchSampler(load_dataset(config, cache).train, t.batch_size, t.seq_len, t.seed)
+    pipe = LocalPipeline(config)
+    results = [pipe.train_step(step, batch_ids(*sampler.next_batch())) for step in range(t.steps)]
+    return [r.loss for r in results], [r.bytes_forward for r in results], [r.bytes_backward for r in results]
+
+
+def log_text(run: Path, node: int) -> str:
+    return (run / f"node{node}.log").read_text()
+
+
+@pytest.fixture(scope="module")
+def three_stage_run(tmp_path_factory):
+    run = tmp_path_factory.mktemp("swarm3")
+    config = swarm_config()
+    summary = up(config, run, nodes=3, progress=False, timeout=600)
+    return config, run, summary
+
+
+def test_three_stage_swarm_matches_single_process_reference(three_stage_run, tmp_path):
+    config, _, summary = three_stage_run
+    ref_losses, ref_fwd, ref_bwd = reference_run(config, tmp_path / "cache")
+    assert summary.steps == config.train.steps
+    rel = [abs(a - b) / abs(b) for a, b in zip(summary.losses, ref_losses, strict=True)]
+    assert max(rel) < 1e-4, rel
+    # Wire bytes: the codec's accounting plus protobuf framing, per frame.
+    frames = config.train.steps * config.train.microbatches * (config.n_stages - 1)
+    codec_fwd, codec_bwd = sum(map(sum, ref_fwd)), sum(map(sum, ref_bwd))
+    assert 0 < summary.wire_bytes_forward - codec_fwd <= FRAMING_BYTES_PER_FRAME * frames
+    assert 0 < summary.wire_bytes_backward - codec_bwd <= FRAMING_BYTES_PER_FRAME * frames
+
+
+def test_each_node_fetched_the_embedding_once(three_stage_run):
+    _, run, _ = three_stage_run
+    for node in range(3):
+        text = log_text(run, node)
+        assert text.count("fetched") == 1 and "cache hit" not in text
+
+
+def test_restart_reuses_cache_corruption_refetches_two_stages_on_one_node(three_stage_run):
+    config, run, _ = three_stage_run
+    caches = [ArtifactCache(run / f"node{i}" / "artifacts") for i in range(2)]
+    (cached,) = list(caches[1].root.glob("*.bin"))
+    cached.write_bytes(b"corrupt" + cached.read_bytes()[7:])
+    again = up(
+        dataclasses.replace(config, train=dataclasses.replace(config.train, steps=3)),
+        run,
+        nodes=2,
+        stages_per_node=2,
+        progress=False,
+        timeout=600,
+    )
+    assert again.steps == 3
+    assert "cache hit" in log_text(run, 0) and "fetched" not in log_text(run, 0)
+    node1 = log_text(run, 1)
+    assert "failed its hash check" in node1 and "fetched" in node1
+    assert any("hosts stages [0, 1]" in log_text(run, i) for i in range(2))
+
+
+def test_rotation_is_applied_at_its_step_on_every_stage(tmp_path):
+    config = swarm_config(steps=12, rotate_every=5)
+    summary = up(config, tmp_path / "run", nodes=3, progress=False, timeout=600)
+    ref_losses, _, _ = reference_run(config, tmp_path / "cache")
+    rel = [abs(a - b) / abs(b) for a, b in zip(summary.losses, ref_losses, strict=True)]
+    assert max(rel) < 1e-4, rel
+    for node in range(3):
+        text = log_text(tmp_path / "run", node)
+        assert "rotation to subspace version 1 at step 5" in text
+        assert "rotation to subspace version 2 at step 10" in text
+
+
+def test_swarm_up_command_runs_to_completion(tmp_path):
+    args = [sys.executable, "-m", "swarm.cli", "up", "--preset", "tiny", "--steps", "3", "--stages", "2"]
+    args += ["--batch-size", "4", "--seq-len", "32", "--run-dir", str(tmp_path / "up")]
+    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "3 steps" in done.stdout and "wire bytes/token" in done.stdout
