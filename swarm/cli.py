@@ -120,6 +120,17 @@ def cmd_up(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from bench.run import main as bench_main
+
+    out = args.out or ("results/bench-quick" if args.quick else "bench/results")
+    results = bench_main(args.quick, out)
+    print(
+        f"benchmarks done in {sum(results['seconds'].values()):.0f} s: {out}/results.md, results.json, *.png"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="swarm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -140,6 +151,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--run-dir", default="runs/up", help="folder for logs, caches and coordinator state")
     p.add_argument("--no-dht", action="store_true", help="skip hivemind discovery")
     p.set_defaults(func=cmd_up)
+    p = sub.add_parser("bench", help="run the benchmarks; write JSON, a Markdown report and plots")
+    p.add_argument("--quick", action="store_true", help="small smoke run (a few minutes; what CI runs)")
+    p.add_argument(
+        "--out", help="results folder (default: bench/results, or results/bench-quick with --quick)"
+    )
+    p.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     try:
         return args.func(args)

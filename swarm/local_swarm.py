@@ -39,6 +39,7 @@ class SwarmSummary:
     wire_bytes_backward: int
     boundaries: int
     node_logs: list[Path] = field(default_factory=list)
+    step_summaries: list = field(default_factory=list)  # coordinator_pb2.StepSummary per step
 
     @property
     def tokens_per_second(self) -> float:
@@ -237,4 +238,5 @@ def _summary(config: RunConfig, steps: list, seconds: float, logs: list[Path]) -
         wire_bytes_backward=sum(s.bytes_sent_backward for s in steps),
         boundaries=config.n_stages - 1,
         node_logs=logs,
+        step_summaries=list(steps),
     )

@@ -1,0 +1,145 @@
+"""Turn benchmark results into Markdown tables and PNG plots."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
+    """``columns``: (header, key, format spec)."""
+    head = "| " + " | ".join(h for h, _, _ in columns) + " |"
+    sep = "|" + "|".join("---" for _ in columns) + "|"
+    body = []
+    for row in rows:
+        cells = []
+        for _, key, fmt in columns:
+            value = row.get(key)
+            cells.append("—" if value is None else format(value, fmt) if fmt else str(value))
+        body.append("| " + " | ".join(cells) + " |")
+    return "\n".join([head, sep, *body])
+
+
+def markdown(r: dict) -> str:
+    m, w = r["machine"], r["wire"]
+    ps = w["paper_setting"]
+    refs = "\n".join(f"- {k}: {v} B" for k, v in w["reference_rows"].items())
+    out = [
+        f"# Benchmarks ({'quick' if r['quick'] else 'full'} run)",
+        f"{m['date']} on {m['platform']}, {m['cpu_count']} CPUs, torch {m['torch']}, CUDA {m['cuda']}.",
+        "",
+        f"## Wire bytes per token per boundary, d={ps['d']}, k={ps['k']} (synthetic coordinates)",
+        "Serialized `StageMessage` bytes (protobuf framing included) of one frame of "
+        f"{ps['tokens_per_frame']} tokens; token ids are uint16.",
+        refs,
+        "",
+        _table(
+            w["paper"],
+            [
+                ("codec", "codec", ""),
+                ("forward B/token", "forward_B_per_token", ".1f"),
+                ("backward B/token", "backward_B_per_token", ".1f"),
+                ("forward vs bf16", "forward_ratio_vs_bf16", ".1f"),
+            ],
+        ),
+        "",
+        f"## Wire bytes per token per boundary, the benchmark model (d={w['model']['config']['d_model']}, "
+        f"k={w['model']['config']['subspace_rank']}, real activations)",
+        "Per-step boundary state (MAPL gradient shares, RVQ codebook deltas) is amortised over a step.",
+        "",
+        _table(
+            w["measured"],
+            [
+                ("codec", "codec", ""),
+                ("forward B/token", "forward_B_per_token", ".1f"),
+                ("backward B/token", "backward_B_per_token", ".1f"),
+                ("sync B/token", "sync_B_per_token", ".1f"),
+                ("forward vs bf16", "forward_ratio_vs_bf16", ".1f"),
+            ],
+        ),
+        "",
+        "## Convergence at equal steps (single-process pipeline, real codecs at every boundary)",
+        "",
+        _table(
+            r["convergence"],
+            [
+                ("codec", "codec", ""),
+                ("wire B/token", "wire_B_per_token", ".1f"),
+                ("vs bf16", "compression_vs_bf16", ".1f"),
+                ("val loss start", "initial_val_loss", ".3f"),
+                ("val loss end", "final_val_loss", ".3f"),
+                ("train loss (last 10)", "final_train_loss_avg10", ".3f"),
+            ],
+        ),
+        "",
+        "## Codec overhead (encode + decode of one microbatch's activation and gradient frames)",
+        "",
+        _table(
+            r["overhead"],
+            [
+                ("codec", "codec", ""),
+                ("codec µs/token", "codec_us_per_token", ".2f"),
+                ("stage fwd+bwd µs/token", "stage_us_per_token", ".1f"),
+                ("overhead", "overhead_fraction", ".1%"),
+            ],
+        ),
+        "",
+        "## Throughput of a local swarm on emulated links (transport shaper: rate + one-way delay)",
+        "",
+        _table(
+            r["throughput"],
+            [
+                ("link", "link", ""),
+                ("codec", "codec", ""),
+                ("tokens/s", "tokens_per_s", ".0f"),
+                ("speedup vs dense bf16", "speedup_vs_dense_bf16", ".2f"),
+                ("wire fwd B/token", "wire_forward_B_per_token", ".1f"),
+                ("bound tokens/s", "physical_bound_tokens_per_s", ".0f"),
+                ("efficiency", "efficiency", ".0%"),
+            ],
+        ),
+        "",
+        f"Section times (s): {', '.join(f'{k} {v:.0f}' for k, v in r['seconds'].items())}.",
+    ]
+    return "\n".join(out) + "\n"
+
+
+def plots(r: dict, out: Path) -> None:
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for row in r["convergence"]:
+        losses = row["losses"]
+        smooth = [
+            sum(losses[max(0, i - 9) : i + 1]) / len(losses[max(0, i - 9) : i + 1])
+            for i in range(len(losses))
+        ]
+        ax.plot(smooth, label=f"{row['codec']} ({row['wire_B_per_token']:.0f} B/tok)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (10-step mean)")
+    ax.set_title("Convergence at equal steps")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "convergence.png", dpi=120)
+    plt.close(fig)
+
+    rows = r["throughput"]
+    links = list(dict.fromkeys(row["link"] for row in rows))
+    codecs = list(dict.fromkeys(row["codec"] for row in rows))
+    fig, ax = plt.subplots(figsize=(9, 5))
+    width = 0.8 / len(codecs)
+    for j, codec in enumerate(codecs):
+        values = [
+            next(x["tokens_per_s"] for x in rows if x["link"] == link and x["codec"] == codec)
+            for link in links
+        ]
+        ax.bar([i + j * width for i in range(len(links))], values, width, label=codec)
+    ax.set_xticks([i + width * (len(codecs) - 1) / 2 for i in range(len(links))], links, fontsize=7)
+    ax.set_ylabel("tokens/s")
+    ax.set_title("Local swarm throughput on emulated links")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "throughput.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,141 @@
+"""``swarm bench [--quick]``: every benchmark, written as JSON, a Markdown report and PNG plots.
+
+``--quick`` (CI's smoke test, a few minutes) runs each section on the tiny model with
+few steps and codecs; the full run is what the README quotes. Every number in the
+report is measured by this run; the JSON records the configuration that produced it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench import convergence, overhead, report, throughput, wire
+from bench.codecs import CodecCase, codec_cases
+from bench.throughput import Link
+from swarm.config import MODEL_PRESETS, ModelConfig, RunConfig, TrainConfig
+from swarm.train import load_dataset
+
+
+@dataclass
+class BenchPlan:
+    model: ModelConfig
+    train: TrainConfig
+    n_stages: int
+    convergence_steps: int
+    rotation_interval: int
+    convergence_codecs: list[str]
+    throughput_model: ModelConfig
+    throughput_train: TrainConfig
+    throughput_codecs: list[str]
+    links: list[Link] = field(default_factory=list)
+    wire_tokens: int = 4096
+
+
+def plan(quick: bool) -> BenchPlan:
+    if quick:
+        tiny = MODEL_PRESETS["tiny"]
+        return BenchPlan(
+            model=tiny,
+            train=TrainConfig(batch_size=8, seq_len=64, microbatches=2, lr=1e-2, warmup_steps=5),
+            n_stages=2,
+            convergence_steps=30,
+            rotation_interval=10,
+            convergence_codecs=["dense bf16", "top-k", "subspace bf16", "MAPL bf16"],
+            throughput_model=tiny,
+            throughput_train=TrainConfig(steps=5, batch_size=4, seq_len=32, microbatches=2),
+            throughput_codecs=["dense bf16", "subspace bf16"],
+            links=[Link("80 Mbit/s, 50 ms RTT", 80, 25)],
+            wire_tokens=1024,
+        )
+    small = MODEL_PRESETS["small"]
+    return BenchPlan(
+        model=small,
+        train=TrainConfig(batch_size=8, seq_len=128, microbatches=2, lr=3e-3, warmup_steps=20),
+        n_stages=4,
+        convergence_steps=300,
+        rotation_interval=50,
+        convergence_codecs=[c.name for c in _cases(small)],
+        throughput_model=small,
+        throughput_train=TrainConfig(steps=8, batch_size=8, seq_len=128, microbatches=4),
+        throughput_codecs=["dense bf16", "int8 blockwise", "subspace bf16"],
+        links=[
+            Link("2 Mbit/s", 2),
+            Link("10 Mbit/s", 10),
+            Link("80 Mbit/s, 50 ms RTT", 80, 25),
+            Link("200 Mbit/s", 200),
+            Link("1 Gbit/s", 1000),
+        ],
+    )
+
+
+def _cases(model: ModelConfig) -> list[CodecCase]:
+    """Baselines sized to the subspace codec's bytes/token (k bf16 numbers per token)."""
+    k = model.subspace_rank
+    return codec_cases(k, mapl_rank=k, topk=k // 2, lowrank=max(1, k * 2 // 3))
+
+
+def _pick(cases: list[CodecCase], names: list[str]) -> list[CodecCase]:
+    """The cases named in ``names``; a name may leave out the parameters in parentheses."""
+    return [c for c in cases if any(c.name == n or c.name.startswith(n + " (") for n in names)]
+
+
+def machine() -> dict:
+    return {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "platform": platform.platform(),
+        "processor": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch": torch.__version__,
+        "cuda": torch.cuda.is_available(),
+        "torch_threads": torch.get_num_threads(),
+    }
+
+
+def main(quick: bool, out: str | Path) -> dict:
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    p = plan(quick)
+    results: dict = {"quick": quick, "machine": machine(), "plan": dataclasses.asdict(p)}
+    timings = {}
+
+    t0 = time.perf_counter()
+    results["wire"] = wire.run(p.model, p.train, tokens=p.wire_tokens)
+    timings["wire"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    cases = _cases(p.model)
+    results["overhead"] = overhead.run(_pick(cases, p.convergence_codecs), p.model, p.train)
+    timings["overhead"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    dataset = load_dataset(RunConfig(model=p.model, n_stages=1))
+    train_cfg = dataclasses.replace(p.train, steps=p.convergence_steps)
+    results["convergence"] = convergence.run(
+        _pick(cases, p.convergence_codecs), p.model, train_cfg, p.n_stages, dataset, p.rotation_interval
+    )
+    timings["convergence"] = time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    results["throughput"] = throughput.run(
+        _pick(_cases(p.throughput_model), p.throughput_codecs),
+        p.throughput_model,
+        p.throughput_train,
+        p.n_stages if not quick else 2,
+        p.links,
+    )
+    timings["throughput"] = time.perf_counter() - t0
+    results["seconds"] = timings
+
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (out / "results.md").write_text(report.markdown(results))
+    report.plots(results, out)
+    return results

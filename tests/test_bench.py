@@ -1,0 +1,27 @@
+"""``swarm bench --quick`` runs every benchmark section and writes its result files."""
+
+from __future__ import annotations
+
+import json
+
+from swarm.cli import main
+
+
+def test_quick_bench_writes_results(tmp_path, capsys):
+    assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0
+    results = json.loads((tmp_path / "results.json").read_text())
+    for name in ("results.md", "convergence.png", "throughput.png"):
+        assert (tmp_path / name).stat().st_size > 0
+    paper = {row["codec"]: row for row in results["wire"]["paper"]}
+    # The paper's setting: k=40 bf16 coordinates + uint16 ids is ~100x less than bf16 activations.
+    assert paper["subspace bf16"]["forward_ratio_vs_bf16"] > 95
+    assert (
+        paper["MAPL + RVQ (4x256)"]["forward_B_per_token"]
+        < paper["subspace int8/token"]["forward_B_per_token"]
+    )
+    for row in results["convergence"]:
+        assert row["final_val_loss"] < row["initial_val_loss"]
+    links = {row["link"] for row in results["throughput"]}
+    assert "loopback (compute-only)" in links and len(links) == 2
+    assert all(row["tokens_per_s"] > 0 for row in results["throughput"])
+    assert "benchmarks done" in capsys.readouterr().out
