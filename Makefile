@@ -16,7 +16,7 @@ $(VENV)/.installed: pyproject.toml
 	touch $@
 
 run: setup
-	$(BIN)/swarm train
+	$(BIN)/swarm up
 
 lint: setup
 	$(BIN)/ruff check .

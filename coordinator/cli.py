@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import secrets
@@ -29,6 +30,7 @@ from swarm.metrics import Metrics
 
 log = logging.getLogger("swarm.coordinator")
 
+DHT_SHUTDOWN_S = 3.0
 STOP_GRACE_S = 2.0
 
 
@@ -90,7 +92,9 @@ async def serve(
     log.info("stopping")
     await server.stop(STOP_GRACE_S)
     if dht_node is not None:
-        await dht_node.shutdown()
+        # Bounded: when Ctrl-C reached p2pd too, hivemind's shutdown can wait on a dead daemon.
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(dht_node.shutdown(), timeout=DHT_SHUTDOWN_S)
 
 
 def main(argv: list[str] | None = None) -> int:

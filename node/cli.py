@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -50,20 +51,36 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--public-dht", action="store_true", help="allow NAT port mapping (production only)")
     p.add_argument("--name", default="", help="node name shown in status")
     p.add_argument("--connect-timeout", type=float, default=60.0)
+    p.add_argument(
+        "--linger-s",
+        type=float,
+        default=0.0,
+        help="after the run ends, keep serving --metrics-port this many seconds (a signal ends it early)",
+    )
     return parser.parse_args(argv)
 
 
-async def _run(settings: NodeSettings) -> int:
+async def _run(settings: NodeSettings, linger_s: float = 0.0) -> int:
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
+
+    def stop() -> None:
+        """Cancel the node once; a second signal must not interrupt its shutdown (Leave, DHT, server)."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, lambda: None)
+        task.cancel()
+
     for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, task.cancel)
+        loop.add_signal_handler(sig, stop)
     try:
         result = await NodeDaemon(settings).run()
     except asyncio.CancelledError:
         say("node stopped by signal")
         return 130
     say(f"node {result.node_id[:8]} finished {result.steps} steps on stages {result.stages}")
+    if linger_s > 0 and settings.metrics_port >= 0:
+        with contextlib.suppress(asyncio.CancelledError):  # the run is complete: a signal only ends the wait
+            await asyncio.sleep(linger_s)
     return 0
 
 
@@ -86,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         connect_timeout=args.connect_timeout,
     )
     try:
-        return uvloop.run(_run(settings))
+        return uvloop.run(_run(settings, args.linger_s))
     except (RuntimeError, ValueError) as e:
         print(f"swarm-node: error: {e}", file=sys.stderr)
         return 1

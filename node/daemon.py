@@ -29,7 +29,7 @@ from pathlib import Path
 import grpc
 import torch
 
-from node.links import GRPC_OPTIONS, LinkError, LocalLink, RunIdentity, StageLink, dial
+from node.links import GRPC_OPTIONS, LinkError, LocalLink, RunIdentity, StageLink, dial, rejection_reason
 from node.schedule import StageRunner, StepOutcome
 from node.stage_service import StageService
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
@@ -46,6 +46,9 @@ from swarm.transport.shaper import LinkProfile
 from swarm.worker import StageWorker
 
 log = logging.getLogger("swarm-node")
+
+PLAN_POLL_S = 0.2  # heartbeat period while waiting for a complete stage plan
+UNREACHABLE_GRACE_S = 10 * PLAN_POLL_S  # how long a node stays joined after finding no way to its peer
 
 
 @dataclass
@@ -182,11 +185,14 @@ class NodeDaemon:
         ):
             if asyncio.get_running_loop().time() > deadline:
                 raise RuntimeError(f"no complete stage plan within {self.settings.connect_timeout:.0f}s")
-            await asyncio.sleep(0.2)
+            await asyncio.sleep(PLAN_POLL_S)
             hb = await self.coordinator.Heartbeat(cpb.HeartbeatRequest(node_id=reply.node_id), timeout=10)
             stages, links = list(hb.stages), {link.boundary: link for link in hb.links}
         for link in links.values():
             if link.role == cpb.LINK_ROLE_UNSPECIFIED:
+                # The peer learns this plan only from its next poll: leaving at once would let it
+                # wait out its whole connect timeout instead of failing with this same message.
+                await asyncio.sleep(UNREACHABLE_GRACE_S)
                 raise LinkError(
                     f"boundary {link.boundary}: neither this node nor {link.peer_node_id[:8]} accepts "
                     "inbound connections; give one a reachable --listen/--announce address (no relays yet)"
@@ -263,19 +269,13 @@ class NodeDaemon:
         else:
             runner.upstream, deliver = link, runner.deliver_from_upstream
         self._links.append(link)
-        return asyncio.create_task(self._read(link, deliver, runner))
-
-    async def _read(self, link: StageLink, deliver, runner: StageRunner) -> None:
-        try:
-            await link.read_into(deliver)
-        except (LinkError, grpc.aio.AioRpcError) as e:
-            log.error("boundary %d failed: %s", link.boundary, e)
-            runner.fail(e if isinstance(e, LinkError) else LinkError(str(e)))
+        return asyncio.create_task(link.pump(deliver, runner.fail))
 
     async def _attach(self, boundary: int, link: StageLink) -> None:
         """Called by the Stage service for an accepted stream; reads it until it closes."""
         future = self._link_ready.get(boundary)
         if future is None or future.done():
+            self.metrics.rejected.labels(rejection_reason(stage_pb2.ERROR_CODE_WRONG_BOUNDARY)).inc()
             await link.send_error(
                 stage_pb2.ERROR_CODE_WRONG_BOUNDARY, f"boundary {boundary} expects no stream"
             )

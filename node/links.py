@@ -95,6 +95,11 @@ def check_hello(
     return None
 
 
+def rejection_reason(code: int) -> str:
+    """The ``rejected`` counter label of an error code: ``ERROR_CODE_BAD_PAYLOAD`` -> ``bad_payload``."""
+    return stage_pb2.ErrorCode.Name(code).removeprefix("ERROR_CODE_").lower()
+
+
 def error_message(code: int, reason: str) -> stage_pb2.StageMessage:
     return stage_pb2.StageMessage(error=stage_pb2.Error(code=code, message=reason))
 
@@ -110,9 +115,15 @@ def sync_to_message(sync: BoundarySync) -> stage_pb2.StageMessage:
     )
 
 
+class UnexpectedMessage(PayloadError):
+    """A well-formed message that has no place on an open stream (a second Hello, an empty body)."""
+
+
 def item_from_message(msg: stage_pb2.StageMessage) -> Item:
     """Convert a stream message to the runner's item; :class:`LinkError` for a peer's Error."""
     body = msg.WhichOneof("body")
+    if body in ("hello", None):
+        raise UnexpectedMessage(f"{body or 'empty'} message on an open boundary stream")
     if body == "sync":
         s = msg.sync
         return BoundarySync(s.step, s.boundary, s.mapl_gradients, s.codebook_delta)
@@ -185,15 +196,40 @@ class StageLink:
                 return
             try:
                 item = item_from_message(msg)
+            except UnexpectedMessage as e:
+                await self._refuse(stage_pb2.ERROR_CODE_UNEXPECTED_MESSAGE, e)
+                continue
             except PayloadError as e:
-                self.metrics.rejected.labels("bad_payload").inc()
-                log.warning("boundary %d: rejected message: %s", self.boundary, e)
-                await self.send_error(stage_pb2.ERROR_CODE_BAD_PAYLOAD, str(e))
+                await self._refuse(stage_pb2.ERROR_CODE_BAD_PAYLOAD, e)
                 continue
             self.metrics.wire_bytes.labels(str(self.boundary), _direction(item), "received").inc(
                 msg.ByteSize()
             )
             deliver(item)
+
+    async def _refuse(self, code: int, error: PayloadError) -> None:
+        """Count a rejected message under its error code and answer it; the stream stays open."""
+        self.metrics.rejected.labels(rejection_reason(code)).inc()
+        log.warning("boundary %d: rejected message: %s", self.boundary, error)
+        await self.send_error(code, str(error))
+
+    async def pump(self, deliver: Deliver, fail: Callable[[Exception], None]) -> None:
+        """:meth:`read_into` until the stream ends, then tell ``fail`` why it ended.
+
+        A peer's Error, a broken stream and a stream the peer closed all end up in
+        ``fail`` as a :class:`LinkError`, so a stage waiting for this neighbour stops at
+        once instead of at its step timeout (items delivered before stay queued ahead of it).
+        """
+        try:
+            await self.read_into(deliver)
+        except LinkError as e:
+            log.error("boundary %d failed: %s", self.boundary, e)
+            fail(e)
+        except grpc.aio.AioRpcError as e:
+            log.error("boundary %d failed: %s", self.boundary, e.details())
+            fail(LinkError(f"boundary {self.boundary}: stream broke: {e.code().name}: {e.details()}"))
+        else:
+            fail(LinkError(f"boundary {self.boundary}: the peer closed the stream"))
 
     async def close(self) -> None:
         """Flush the emulated link, then half-close the stream (dialling side)."""

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from node.links import rejection_reason
 from swarm._proto.swarm.v1 import stage_pb2
 from swarm.codecs.base import PayloadError, StaleVersionError
 from swarm.mapl import pack_gradients, sum_gradients, unpack_gradients
@@ -76,10 +77,25 @@ class StageRunner:
     # -- delivery from links --------------------------------------------------------------------
 
     def deliver_from_upstream(self, item) -> None:
-        (self._activations if isinstance(item, ActivationFrame) else self._syncs_up).put_nowait(item)
+        if isinstance(item, ActivationFrame):
+            self._count_dense(self.index - 1, "forward", "received", item)
+            self._activations.put_nowait(item)
+        else:
+            self._syncs_up.put_nowait(item)
 
     def deliver_from_downstream(self, item) -> None:
-        (self._gradients if isinstance(item, GradientFrame) else self._syncs_down).put_nowait(item)
+        if isinstance(item, GradientFrame):
+            self._count_dense(self.index, "backward", "received", item)
+            self._gradients.put_nowait(item)
+        else:
+            self._syncs_down.put_nowait(item)
+
+    def _count_dense(
+        self, boundary: int, direction: str, io: str, frame: ActivationFrame | GradientFrame
+    ) -> None:
+        """What the frame would have been as uncompressed bf16 activations (rows x d x 2 bytes)."""
+        dense = frame.payload.rows * self.worker.config.model.d_model * 2
+        self.metrics.dense_bytes.labels(str(boundary), direction, io).inc(dense)
 
     def fail(self, error: Exception) -> None:
         """A link broke: wake the step with the error."""
@@ -123,13 +139,13 @@ class StageRunner:
         if w.is_last:
             for mb in reversed(range(n_micro)):
                 grad = await asyncio.to_thread(w.backward, step, mb)
-                bwd_wire += await self.upstream.send(grad) if self.upstream is not None else 0
+                bwd_wire += await self._send_up(grad) if self.upstream is not None else 0
         else:
             for _ in range(n_micro):
                 frame = await self._get(self._gradients, "gradient", step)
                 grad = await self._backward(step, frame)
                 if grad is not None:
-                    bwd_wire += await self.upstream.send(grad)
+                    bwd_wire += await self._send_up(grad)
         await self._exchange_mapl_shares(step)
         stats = await asyncio.to_thread(w.optimizer_step, step)
         delta = await asyncio.to_thread(w.codebook_delta)
@@ -140,7 +156,12 @@ class StageRunner:
         return StepOutcome(w.index, step, stats, fwd_wire, bwd_wire, seconds)
 
     async def _send_down(self, frame: ActivationFrame) -> int:
+        self._count_dense(self.index, "forward", "sent", frame)
         return await self.downstream.send(frame)
+
+    async def _send_up(self, frame: GradientFrame) -> int:
+        self._count_dense(self.index - 1, "backward", "sent", frame)
+        return await self.upstream.send(frame)
 
     async def _forward(self, step: int, frame: ActivationFrame):
         try:
@@ -158,8 +179,8 @@ class StageRunner:
 
     async def _reject(self, link, error: PayloadError) -> None:
         stale = isinstance(error, StaleVersionError)
-        self.metrics.rejected.labels("subspace_version" if stale else "bad_payload").inc()
         code = stage_pb2.ERROR_CODE_SUBSPACE_VERSION if stale else stage_pb2.ERROR_CODE_BAD_PAYLOAD
+        self.metrics.rejected.labels(rejection_reason(code)).inc()
         await link.send_error(code, str(error))
 
     async def _exchange_mapl_shares(self, step: int) -> None:

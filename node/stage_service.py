@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import grpc
 
-from node.links import RunIdentity, StageLink, check_hello, error_message, hello
+from node.links import RunIdentity, StageLink, check_hello, error_message, hello, rejection_reason
 from swarm._proto.swarm.v1 import stage_pb2, stage_pb2_grpc
 from swarm.metrics import Metrics
 from swarm.transport.frames import PROTOCOL_VERSION
@@ -45,9 +45,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         problem = check_hello(first, self.identity, None, self._peer_stage)
         if problem is not None:
             code, reason = problem
-            self.metrics.rejected.labels(
-                stage_pb2.ErrorCode.Name(code).removeprefix("ERROR_CODE_").lower()
-            ).inc()
+            self.metrics.rejected.labels(rejection_reason(code)).inc()
             log.warning("refused a boundary stream from %s: %s", context.peer(), reason)
             await context.write(error_message(code, reason))
             return

@@ -11,7 +11,7 @@ deltas), steps its optimizer, and applies subspace rotations at their announced 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -41,12 +41,10 @@ class StageStats:
     tokens: int = 0
     bytes_sent_forward: int = 0
     bytes_sent_backward: int = 0
-    bytes_sent_sync: int = 0
     loss_sum: float = 0.0
     loss_count: int = 0
     grad_norm: float = 0.0
     off_subspace_fraction: float | None = None
-    extra: dict[str, float] = field(default_factory=dict)
 
 
 class StageWorker:

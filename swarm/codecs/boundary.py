@@ -20,7 +20,7 @@ from typing import Protocol
 
 import torch
 
-from swarm.codecs.base import EncodedTensor, PayloadError, TensorFormat
+from swarm.codecs.base import EncodedTensor, PayloadError, StaleVersionError, TensorFormat
 from swarm.wire import ActivationFrame, GradientFrame, compress, decompress, pack_tokens, unpack_tokens
 
 
@@ -146,6 +146,6 @@ class BoundaryCodec:
     @staticmethod
     def _check_version(got: int, expected: int) -> None:
         if got != expected:
-            raise PayloadError(
+            raise StaleVersionError(
                 f"payload encoded under subspace version {got}, stage is at version {expected}"
             )

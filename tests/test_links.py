@@ -1,0 +1,211 @@
+"""Boundary streams in one process: a real grpc.aio ``StageService`` on loopback, real ``dial``, runners."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from dataclasses import dataclass, replace
+from typing import Any
+
+import grpc
+import pytest
+import torch
+
+from node.links import GRPC_OPTIONS, LinkError, RunIdentity, StageLink, dial, hello
+from node.schedule import StageRunner
+from node.stage_service import StageService
+from swarm._proto.swarm.v1 import common_pb2, stage_pb2, stage_pb2_grpc
+from swarm.codecs.base import StaleVersionError
+from swarm.config import config_hash
+from swarm.metrics import Metrics
+from swarm.pipeline import LocalPipeline
+from swarm.transport.frames import to_message
+from swarm.wire import ActivationFrame
+from tests.helpers import random_batch, tiny_config
+
+CONFIG = tiny_config(n_stages=2)
+SERVER = RunIdentity("run-1", config_hash(CONFIG), "stage-secret", "node-down")
+CLIENT = RunIdentity("run-1", config_hash(CONFIG), "stage-secret", "node-up")
+ACCEPTING = {0: (1, 0)}  # boundary 0: this server hosts stage 1, the dialler stage 0
+Attach = Callable[[int, StageLink], Awaitable[None]]
+
+
+def run(coro: Coroutine[Any, Any, Any], timeout: float = 30.0) -> Any:
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def rejected(metrics: Metrics, reason: str) -> float:
+    return metrics.registry.get_sample_value("swarm_rejected_messages_total", {"reason": reason}) or 0.0
+
+
+def rejections(metrics: Metrics) -> dict[str, float]:
+    """Every non-zero ``rejected`` count, by reason."""
+    (family,) = metrics.rejected.collect()
+    return {s.labels["reason"]: s.value for s in family.samples if s.name.endswith("_total") and s.value}
+
+
+@dataclass
+class Server:
+    address: str
+    metrics: Metrics
+
+
+@contextlib.asynccontextmanager
+async def stage_server(attach: Attach) -> AsyncIterator[Server]:
+    """A ``StageService`` accepting boundary 0 for stage 1 on 127.0.0.1, on a free port."""
+    metrics = Metrics("node")
+    server = grpc.aio.server(options=GRPC_OPTIONS)
+    stage_pb2_grpc.add_StageServicer_to_server(StageService(SERVER, ACCEPTING, attach, metrics, [1]), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield Server(f"127.0.0.1:{port}", metrics)
+    finally:
+        await server.stop(grace=None)
+
+
+async def refuse_all(boundary: int, link: StageLink) -> None:
+    raise AssertionError("a refused stream must not be attached")
+
+
+@pytest.mark.parametrize(
+    ("identity", "boundary", "code", "reason"),
+    [
+        (replace(CLIENT, auth_token="wrong"), 0, "UNAUTHENTICATED", "unauthenticated"),
+        (replace(CLIENT, config_hash="0" * 64), 0, "CONFIG_MISMATCH", "config_mismatch"),
+        (replace(CLIENT, run_id="run-2"), 0, "CONFIG_MISMATCH", "config_mismatch"),
+        (CLIENT, 1, "WRONG_BOUNDARY", "wrong_boundary"),
+    ],
+)
+def test_bad_hello_is_refused_and_counted(identity: RunIdentity, boundary: int, code: str, reason: str):
+    async def main() -> None:
+        async with stage_server(refuse_all) as server:
+            with pytest.raises(LinkError, match=f"ERROR_CODE_{code}"):
+                await dial(server.address, identity, boundary, 0, 1, Metrics("node"), timeout=5)
+            assert rejected(server.metrics, reason) == 1
+            assert rejections(server.metrics) == {reason: 1.0}
+
+    run(main())
+
+
+@dataclass
+class Pair:
+    up: StageRunner  # stage 0, dialled out
+    down: StageRunner  # stage 1, accepted by the server
+    server: Server
+
+
+@contextlib.asynccontextmanager
+async def connected_pair(workers: list) -> AsyncIterator[Pair]:
+    """Stage 0 and stage 1 joined by one real gRPC boundary stream (stage 0 dials, stage 1 accepts)."""
+    up = StageRunner(workers[0], Metrics("node"), lambda step: random_batch(CONFIG, seed=step), timeout=20)
+    down = StageRunner(workers[1], Metrics("node"), timeout=20)
+    attached = asyncio.Event()
+
+    async def attach(boundary: int, link: StageLink) -> None:
+        down.upstream = link
+        attached.set()
+        await link.pump(down.deliver_from_upstream, down.fail)
+
+    async with stage_server(attach) as server:
+        link, channel = await dial(server.address, CLIENT, 0, 0, 1, up.metrics, timeout=5)
+        up.downstream = link
+        reader = asyncio.create_task(link.pump(up.deliver_from_downstream, up.fail))
+        try:
+            await asyncio.wait_for(attached.wait(), 5)
+            yield Pair(up, down, server)
+        finally:
+            reader.cancel()
+            await channel.close()
+
+
+def test_runners_over_grpc_match_local_pipeline():
+    reference = LocalPipeline(CONFIG)
+    expected = [reference.train_step(step, random_batch(CONFIG, seed=step)).loss for step in range(3)]
+    workers = LocalPipeline(CONFIG).workers
+
+    async def main() -> list[float]:
+        losses = []
+        async with connected_pair(workers) as pair:
+            for step in range(3):
+                first, last = await asyncio.gather(pair.up.run_step(step), pair.down.run_step(step))
+                assert first.wire_bytes_forward > 0 and last.wire_bytes_backward > 0
+                losses.append(last.stats.loss_sum / last.stats.loss_count)
+        return losses
+
+    assert run(main()) == pytest.approx(expected, rel=1e-12, abs=0)
+    for mine, theirs in zip(workers, reference.workers, strict=True):
+        for a, b in zip(mine.parameters(), theirs.parameters(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_stale_subspace_version_is_rejected_on_both_sides():
+    workers = LocalPipeline(CONFIG).workers
+    workers[1].version = 1  # the receiver has moved on; stage 0 still encodes under version 0
+
+    async def main() -> None:
+        async with connected_pair(workers) as pair:
+            steps = pair.up.run_step(0), pair.down.run_step(0)
+            up, down = await asyncio.gather(*steps, return_exceptions=True)
+            assert isinstance(down, StaleVersionError), down
+            assert isinstance(up, LinkError) and "ERROR_CODE_SUBSPACE_VERSION" in str(up), up
+            assert rejected(pair.down.metrics, "subspace_version") == 1
+            assert rejected(pair.down.metrics, "bad_payload") == 0
+
+    run(main())
+
+
+async def read_error(call: grpc.aio.StreamStreamCall) -> stage_pb2.Error:
+    reply = await asyncio.wait_for(call.read(), 5)
+    assert reply.WhichOneof("body") == "error", reply
+    return reply.error
+
+
+def test_malformed_messages_are_answered_counted_and_survived():
+    frame = LocalPipeline(CONFIG).workers[0].forward(0, 0, random_batch(CONFIG)[:2])
+    delivered: list[object] = []
+    failures: list[Exception] = []
+
+    async def attach(boundary: int, link: StageLink) -> None:
+        await link.pump(delivered.append, failures.append)
+
+    async def main() -> None:
+        async with stage_server(attach) as server:
+            channel = grpc.aio.insecure_channel(server.address, options=GRPC_OPTIONS)
+            try:
+                stub = stage_pb2_grpc.StageStub(channel)
+                call = stub.Exchange()
+                await call.write(hello(CLIENT, 0, 0))
+                assert (await asyncio.wait_for(call.read(), 5)).WhichOneof("body") == "hello"
+
+                no_payload = common_pb2.ActivationFrame(step=0, microbatch=0, batch=2, seq_len=16)
+                await call.write(stage_pb2.StageMessage(activation=no_payload))
+                error = await read_error(call)
+                assert error.code == stage_pb2.ERROR_CODE_BAD_PAYLOAD and "no payload" in error.message
+                assert rejected(server.metrics, "bad_payload") == 1
+
+                await call.write(hello(CLIENT, 0, 0))
+                assert (await read_error(call)).code == stage_pb2.ERROR_CODE_UNEXPECTED_MESSAGE
+                assert rejected(server.metrics, "unexpected_message") == 1
+
+                # The stream and the server are still up: a good frame is delivered, Ping answers.
+                await call.write(to_message(frame))
+                for _ in range(100):
+                    if delivered:
+                        break
+                    await asyncio.sleep(0.05)
+                assert delivered == [frame] and isinstance(delivered[0], ActivationFrame)
+                pong = await stub.Ping(stage_pb2.PingRequest(nonce=7), timeout=5)
+                assert pong.nonce == 7 and list(pong.stages) == [1]
+
+                await call.done_writing()
+                for _ in range(100):
+                    if failures:
+                        break
+                    await asyncio.sleep(0.05)
+                assert len(failures) == 1 and "closed the stream" in str(failures[0])
+            finally:
+                await channel.close()
+
+    run(main())

@@ -1,0 +1,300 @@
+"""Node daemons as real processes on loopback: dial-only nodes, metrics, and stopping by signal."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
+from swarm.config import MODEL_PRESETS, DataConfig, RunConfig, TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+TOKEN = "node-test-token"
+CORPUS = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate.\n" * 300
+
+
+class Proc:
+    """A child process whose stdout lines are collected on a thread (stderr goes to a file)."""
+
+    def __init__(self, args: list[str], log: Path, **popen: Any):
+        self.log = log
+        self.lines: list[str] = []
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(log, "w") as err:
+            self.p = subprocess.Popen(
+                args, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, env=env, **popen
+            )
+        self._reader = threading.Thread(target=self._collect, daemon=True)
+        self._reader.start()
+
+    def _collect(self) -> None:
+        for line in self.p.stdout:
+            self.lines.append(line)
+
+    def wait_for(self, pattern: str, timeout: float) -> re.Match[str]:
+        """The first stdout line matching ``pattern``; fails on timeout or if the process exits first."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            exited = self.p.poll() is not None
+            for line in list(self.lines):
+                if m := re.search(pattern, line):
+                    return m
+            if exited:
+                pytest.fail(f"exited ({self.p.returncode}) before printing {pattern!r}: {self.output()}")
+            time.sleep(0.05)
+        pytest.fail(f"no {pattern!r} within {timeout}s: {self.output()}")
+
+    def wait(self, timeout: float) -> int:
+        try:
+            return self.p.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"still running after {timeout}s: {self.output()}")
+
+    def stdout(self) -> str:
+        """Everything printed so far (all of it, once the process has exited)."""
+        self._reader.join(timeout=5 if self.p.poll() is not None else 0)
+        return "".join(self.lines)
+
+    def stderr(self) -> str:
+        return self.log.read_text()
+
+    def output(self) -> str:
+        return self.stdout()[-2000:] + "\nstderr: " + self.stderr()[-3000:]
+
+    def stop(self) -> None:
+        if self.p.poll() is None:
+            self.p.terminate()
+            try:
+                self.p.wait(5)
+            except subprocess.TimeoutExpired:
+                self.p.kill()
+                self.p.wait()
+
+
+@contextlib.contextmanager
+def processes() -> Iterator[list[Proc]]:
+    """Every process started into the yielded list is stopped on the way out, whatever happened."""
+    procs: list[Proc] = []
+    try:
+        yield procs
+    finally:
+        for proc in procs:
+            proc.stop()
+
+
+def write_config(folder: Path, steps: int) -> Path:
+    """A 2-stage tiny run on a small byte-tokenised corpus (no BPE training, no big corpus)."""
+    (folder / "corpus.txt").write_text(CORPUS)
+    config = RunConfig(
+        model=dataclasses.replace(MODEL_PRESETS["tiny"]),
+        train=TrainConfig(steps=steps, batch_size=4, seq_len=32, microbatches=2, warmup_steps=2),
+        data=DataConfig(source=str(folder / "corpus.txt"), tokenizer="byte"),
+        n_stages=2,
+    )
+    path = folder / "run.toml"
+    path.write_text(config.to_toml())
+    return path
+
+
+def coordinator(procs: list[Proc], folder: Path, steps: int) -> str:
+    """Start a coordinator (no DHT) for a fresh run; returns its address."""
+    args = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(write_config(folder, steps))]
+    args += ["--port", "0", "--state", str(folder / "state.sqlite"), "--token", TOKEN]
+    args += ["--no-dht", "--metrics-port", "-1"]
+    procs.append(Proc(args, folder / "coordinator.err"))
+    return procs[-1].wait_for(r"coordinator listening on (\S+)", 60).group(1)
+
+
+def node(procs: list[Proc], folder: Path, name: str, address: str, *flags: str) -> Proc:
+    args = [sys.executable, "-m", "node.cli", "join", "--coordinator", address, "--token", TOKEN]
+    args += ["--data-dir", str(folder / name), "--device", "cpu", "--no-dht", "--name", name]
+    args += ["--connect-timeout", "30", *flags]
+    procs.append(Proc(args, folder / f"{name}.err"))
+    return procs[-1]
+
+
+def status(address: str) -> coordinator_pb2.StatusReply:
+    with grpc.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        return stub.Status(coordinator_pb2.StatusRequest(), timeout=5)
+
+
+def plan_of(address: str, node_id: str) -> list[coordinator_pb2.BoundaryLink]:
+    """The dial plan the coordinator gives ``node_id`` (what its own heartbeat would return)."""
+    with grpc.insecure_channel(address) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        return list(stub.Heartbeat(coordinator_pb2.HeartbeatRequest(node_id=node_id), timeout=5).links)
+
+
+def wait_for_nodes(address: str, count: int, timeout: float = 30) -> coordinator_pb2.StatusReply:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        reply = status(address)
+        if len(reply.nodes) >= count:
+            return reply
+        time.sleep(0.1)
+    pytest.fail(f"fewer than {count} nodes joined within {timeout}s")
+
+
+# -- a dial-only node --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DialOnlyRun:
+    steps: int
+    dial_only: Proc
+    reachable: Proc
+    nodes: dict[str, coordinator_pb2.NodeStatus]  # by node name, while both were in the run
+    plans: dict[str, list[coordinator_pb2.BoundaryLink]]  # by node name, at the same time
+    steps_completed: int
+    metrics: dict[str, float]  # "name{label=value,...}" -> value, scraped from the reachable node
+
+
+def scrape(port: int) -> dict[str, float]:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    return {
+        s.name + "{" + ",".join(f"{k}={v}" for k, v in sorted(s.labels.items())) + "}": s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+@pytest.fixture(scope="module")
+def dial_only_run(tmp_path_factory) -> Iterator[DialOnlyRun]:
+    """Stage 0 on a node with no inbound port, stage 1 on a reachable node serving metrics."""
+    folder, steps = tmp_path_factory.mktemp("dial_only"), 3
+    with processes() as procs:
+        address = coordinator(procs, folder, steps)
+        dial_only = node(procs, folder, "dialonly", address, "--listen", "")
+        wait_for_nodes(address, 1)
+        reachable = node(procs, folder, "reachable", address, "--metrics-port", "0", "--linger-s", "60")
+        nodes = {n.node_name: n for n in wait_for_nodes(address, 2).nodes}
+        plans = {name: plan_of(address, n.node_id) for name, n in nodes.items()}
+        port = int(reachable.wait_for(r"node metrics on 127\.0\.0\.1:(\d+)", 60).group(1))
+        reachable.wait_for(r"finished \d+ steps", 60)
+        metrics = scrape(port)
+        assert dial_only.wait(30) == 0, dial_only.output()
+        completed = status(address).steps_completed
+        reachable.p.send_signal(signal.SIGTERM)  # ends the linger; the run itself is complete
+        assert reachable.wait(15) == 0, reachable.output()
+        yield DialOnlyRun(steps, dial_only, reachable, nodes, plans, completed, metrics)
+
+
+def test_dial_only_node_hosts_a_stage_next_to_a_reachable_one(dial_only_run):
+    run, nodes = dial_only_run, dial_only_run.nodes
+    assert nodes["dialonly"].address == "" and nodes["reachable"].address.startswith("127.0.0.1:")
+    assert list(nodes["dialonly"].stages) == [0] and list(nodes["reachable"].stages) == [1]
+    # The plan: the reachable (downstream) side accepts, the dial-only side dials it.
+    (dials,), (accepts,) = run.plans["dialonly"], run.plans["reachable"]
+    assert (dials.boundary, dials.role, dials.peer_address) == (
+        0,
+        coordinator_pb2.LINK_ROLE_DIAL,
+        nodes["reachable"].address,
+    )
+    assert (accepts.boundary, accepts.role) == (0, coordinator_pb2.LINK_ROLE_ACCEPT)
+    # Both followed it and trained every step.
+    dial_only, reachable = run.dial_only.stdout(), run.reachable.stdout()
+    assert f"boundary 0: dialled stage 1 at {nodes['reachable'].address}" in dial_only
+    assert "boundary 0: accepted stream from stage 0" in reachable
+    assert f"finished {run.steps} steps on stages [0]" in dial_only
+    assert f"finished {run.steps} steps on stages [1]" in reachable
+    assert run.steps_completed == run.steps
+
+
+def test_node_metrics_endpoint(dial_only_run):
+    m, steps = dial_only_run.metrics, dial_only_run.steps
+    assert m["swarm_tokens_total{stage=1}"] == steps * 4 * 32
+    assert m["swarm_wire_bytes_total{boundary=0,direction=forward,io=received}"] > 0
+    assert m["swarm_wire_bytes_total{boundary=0,direction=backward,io=sent}"] > 0
+    dense = steps * 4 * 32 * MODEL_PRESETS["tiny"].d_model * 2  # bf16 activations of every token
+    assert m["swarm_dense_equivalent_bytes_total{boundary=0,direction=forward,io=received}"] == dense
+    assert m["swarm_dense_equivalent_bytes_total{boundary=0,direction=backward,io=sent}"] == dense
+    assert m["swarm_step_seconds_count{stage=1}"] == steps
+    assert m["swarm_step_seconds_sum{stage=1}"] > 0
+    assert m["swarm_step{stage=1}"] == steps - 1
+    assert m["swarm_loss{}"] > 0
+
+
+def test_two_dial_only_nodes_fail_with_a_clear_error(tmp_path):
+    with processes() as procs:
+        address = coordinator(procs, tmp_path, 3)
+        first = node(procs, tmp_path, "a", address, "--listen", "")
+        wait_for_nodes(address, 1)
+        second = node(procs, tmp_path, "b", address, "--listen", "")
+        for proc in (first, second):
+            assert proc.wait(60) != 0, proc.output()
+            assert "give one a reachable --listen/--announce address" in proc.stderr(), proc.output()
+
+
+# -- stopping by signal ------------------------------------------------------------------------
+
+
+def test_sigterm_stops_a_training_node_and_its_neighbour_fails_fast(tmp_path):
+    with processes() as procs:
+        address = coordinator(procs, tmp_path, 10_000)
+        first = node(procs, tmp_path, "first", address)
+        wait_for_nodes(address, 1)
+        last = node(procs, tmp_path, "last", address)
+        last.wait_for(r"step \d+ loss", 60)
+        first.p.send_signal(signal.SIGTERM)
+        assert first.wait(15) == 130, first.output()
+        assert "node stopped by signal" in first.stdout()
+        # The neighbour stops on the closed stream, not after the 300 s step timeout.
+        assert last.wait(15) == 1, last.output()
+        assert "swarm-node: error: boundary 0:" in last.stderr()
+
+
+def live_processes() -> list[tuple[int, str]]:
+    """(session id, command line) of every process that is not a zombie."""
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        with contextlib.suppress(OSError):  # it may exit while being read
+            stat = (proc / "stat").read_text()
+            state, _, _, session = stat[stat.rindex(")") + 2 :].split()[:4]
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            if state != "Z":
+                found.append((int(session), cmdline))
+    return found
+
+
+def test_swarm_up_stops_every_process_on_sigint(tmp_path):
+    run_dir = tmp_path / "up"
+    (tmp_path / "corpus.txt").write_text(CORPUS)
+    args = [sys.executable, "-m", "swarm.cli", "up", "--preset", "tiny", "--steps", "200", "--stages", "2"]
+    args += ["--batch-size", "4", "--seq-len", "32", "--run-dir", str(run_dir)]
+    args += ["--corpus", str(tmp_path / "corpus.txt"), "--tokenizer", "byte"]
+    up = Proc(args, tmp_path / "up.err", start_new_session=True)
+    try:
+        deadline = time.monotonic() + 90
+        while not any(re.search(r"step \d+ loss", log.read_text()) for log in run_dir.glob("node*.log")):
+            assert up.p.poll() is None, up.output()
+            assert time.monotonic() < deadline, up.output()
+            time.sleep(0.1)
+        up.p.send_signal(signal.SIGINT)
+        assert up.wait(20) == 130, up.output()
+        assert "stopped: every coordinator and node process was terminated" in up.stdout()
+        # Nothing is left: no process naming the run folder, nothing in swarm up's session (p2pd included).
+        assert [cmd for _, cmd in live_processes() if str(run_dir) in cmd] == []
+        assert [cmd for sid, cmd in live_processes() if sid == up.p.pid] == []
+        for i in range(2):
+            assert "node stopped by signal" in (run_dir / f"node{i}.log").read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(up.p.pid, signal.SIGKILL)  # the whole session: swarm up and its children
+        up.stop()
