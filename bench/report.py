@@ -94,6 +94,7 @@ def markdown(r: dict) -> str:
             r["throughput"],
             [
                 ("link", "link", ""),
+                ("shaper", "shaper", ""),
                 ("codec", "codec", ""),
                 ("tokens/s", "tokens_per_s", ".0f"),
                 ("speedup vs dense bf16", "speedup_vs_dense_bf16", ".2f"),
@@ -103,9 +104,42 @@ def markdown(r: dict) -> str:
             ],
         ),
         "",
+        *_peer_section(r),
         f"Section times (s): {', '.join(f'{k} {v:.0f}' for k, v in r['seconds'].items())}.",
     ]
     return "\n".join(out) + "\n"
+
+
+def _peer_section(r: dict) -> list[str]:
+    """The peer system next to our swarm on the same links (rate-only links: the peer has no delay)."""
+    if "peer" not in r:
+        return []
+    ours = {(row["link"], row["codec"]): row["tokens_per_s"] for row in r["throughput"]}
+    rows = []
+    for row in r["peer"]:
+        entry = dict(row)
+        for codec in ("dense bf16", "subspace bf16"):
+            if (row["link"], codec) in ours:
+                entry[codec] = ours[(row["link"], codec)]
+                entry[f"{codec} / peer"] = ours[(row["link"], codec)] / row["tokens_per_s"]
+        rows.append(entry)
+    return [
+        "## A peer in the same run: torch.distributed.pipelining (GPipe, gloo, fp32 activations)",
+        "Same model, batch, microbatches and links; threads per process equal on both sides.",
+        "",
+        _table(
+            rows,
+            [
+                ("link", "link", ""),
+                ("shaper", "shaper", ""),
+                ("peer tokens/s", "tokens_per_s", ".0f"),
+                ("swarm dense bf16", "dense bf16", ".0f"),
+                ("swarm subspace bf16", "subspace bf16", ".0f"),
+                ("subspace / peer", "subspace bf16 / peer", ".2f"),
+            ],
+        ),
+        "",
+    ]
 
 
 def plots(r: dict, out: Path) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from bench import convergence, overhead, report, throughput, wire
+from bench import convergence, overhead, peer, report, throughput, wire
 from bench.codecs import CodecCase, codec_cases
 from bench.throughput import Link
 from swarm.config import MODEL_PRESETS, ModelConfig, RunConfig, TrainConfig
@@ -38,6 +38,8 @@ class BenchPlan:
     throughput_codecs: list[str]
     links: list[Link] = field(default_factory=list)
     wire_tokens: int = 4096
+    shaper: str = "netns"
+    peer: bool = True
 
 
 def plan(quick: bool) -> BenchPlan:
@@ -55,15 +57,21 @@ def plan(quick: bool) -> BenchPlan:
             throughput_codecs=["dense bf16", "subspace bf16"],
             links=[Link("80 Mbit/s, 50 ms RTT", 80, 25)],
             wire_tokens=1024,
+            shaper="transport",
+            peer=False,
         )
     small = MODEL_PRESETS["small"]
     return BenchPlan(
         model=small,
         train=TrainConfig(batch_size=8, seq_len=128, microbatches=2, lr=3e-3, warmup_steps=20),
         n_stages=4,
-        convergence_steps=300,
+        convergence_steps=200,
         rotation_interval=50,
-        convergence_codecs=[c.name for c in _cases(small)],
+        convergence_codecs=[
+            c.name
+            for c in _cases(small)
+            if c.name not in ("dense fp32", "subspace fp32", "subspace int8/token + zstd")
+        ],
         throughput_model=small,
         throughput_train=TrainConfig(steps=8, batch_size=8, seq_len=128, microbatches=4),
         throughput_codecs=["dense bf16", "int8 blockwise", "subspace bf16"],
@@ -125,14 +133,22 @@ def main(quick: bool, out: str | Path) -> dict:
     timings["convergence"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
+    stages = p.n_stages if not quick else 2
     results["throughput"] = throughput.run(
         _pick(_cases(p.throughput_model), p.throughput_codecs),
         p.throughput_model,
         p.throughput_train,
-        p.n_stages if not quick else 2,
+        stages,
         p.links,
+        shaper=p.shaper,
     )
     timings["throughput"] = time.perf_counter() - t0
+    if p.peer:
+        t0 = time.perf_counter()
+        dense = dataclasses.replace(p.throughput_model, constrain_writes=False)
+        rate_only = [Link("loopback (compute-only)", 0.0), *(x for x in p.links if not x.one_way_ms)]
+        results["peer"] = peer.run(dense, p.throughput_train, stages, rate_only, shaper=p.shaper)
+        timings["peer"] = time.perf_counter() - t0
     results["seconds"] = timings
 
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))

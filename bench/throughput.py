@@ -7,15 +7,26 @@ leaving out the first steps (process start-up, caches). The physical bound of ea
 row is ``min(compute-only tokens/s, link rate / wire bytes per token)`` with the link
 full duplex (activations and gradients flow in opposite directions), where
 compute-only is the same codec's swarm on unshaped loopback.
+
+``shaper="netns"`` (where :func:`bench.netns.available`) rate-limits real links instead:
+every node runs in its own network namespace behind a ``tc tbf`` access link of the
+link's rate (:class:`bench.netns.EmulatedNetwork`), the coordinator in an unshaped one.
+The kernel has no ``netem``, so a link's one-way delay still comes from the transport
+shaper. Each row records what shaped it: ``"netns+tbf"``, ``"transport"``, or ``"none"``
+(unshaped loopback); ``"netns"`` falls back to ``"transport"`` where namespaces are unavailable.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import tempfile
+import warnings
 from pathlib import Path
 
 from bench.codecs import CodecCase
+from bench.netns import EmulatedNetwork
 from swarm.config import ModelConfig, RunConfig, TrainConfig
 from swarm.local_swarm import up
 
@@ -29,22 +40,60 @@ class Link:
     one_way_ms: float = 0.0
 
 
-def run_swarm(case: CodecCase, model: ModelConfig, train: TrainConfig, n_stages: int, link: Link) -> dict:
+def threads_per_node(n_stages: int) -> int:
+    """Each node's share of this machine's CPUs, as if it had a host of its own (same as the peer's)."""
+    return max(1, (os.cpu_count() or 1) // n_stages)
+
+
+def resolve_shaper(shaper: str) -> str:
+    """The shaper a run gets: ``"netns"`` only where the machine allows it, else ``"transport"``."""
+    if shaper not in ("transport", "netns"):
+        raise ValueError(f"unknown shaper {shaper!r}; choose transport or netns")
+    if shaper == "netns":
+        ok, reason = EmulatedNetwork.available()
+        if ok:
+            return "netns"
+        warnings.warn(f"network namespaces unavailable ({reason}); shaping in the transport", stacklevel=2)
+    return "transport"
+
+
+def run_swarm(
+    case: CodecCase,
+    model: ModelConfig,
+    train: TrainConfig,
+    n_stages: int,
+    link: Link,
+    shaper: str = "transport",
+) -> dict:
+    """One codec on one link; ``shaper`` as resolved by :func:`resolve_shaper`."""
     config = RunConfig(
         model=dataclasses.replace(model, constrain_writes=case.constrained),
         codec=case.codec,
         train=train,
         n_stages=n_stages,
     )
-    with tempfile.TemporaryDirectory(prefix="swarm-bench-") as run_dir:
+    netns = shaper == "netns" and link.mbps > 0
+    threads = ["env", f"OMP_NUM_THREADS={threads_per_node(n_stages)}"]
+    with contextlib.ExitStack() as stack:
+        run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="swarm-bench-"))
+        placement = {"launch_prefix": lambda i: threads}
+        if netns:
+            net = stack.enter_context(EmulatedNetwork(n_stages, link.mbps, control=True))
+            placement = dict(
+                launch_prefix=lambda i: [*net.exec_prefix(i), *threads],
+                node_host=net.host_ip,
+                coordinator_prefix=net.control_prefix,
+                coordinator_host=net.control_ip,
+            )
         s = up(
             config,
             Path(run_dir),
-            link_mbps=link.mbps,
+            link_mbps=0.0 if netns else link.mbps,
             link_latency_ms=link.one_way_ms,
             progress=False,
             use_dht=False,
             timeout=1800,
+            **placement,
         )
     steady = s.step_summaries[WARMUP_STEPS:] or s.step_summaries
     tokens = sum(x.tokens for x in steady)
@@ -60,20 +109,31 @@ def run_swarm(case: CodecCase, model: ModelConfig, train: TrainConfig, n_stages:
         "wire_backward_B_per_token": bwd,
         "link_bound_tokens_per_s": link.mbps * 1e6 / 8 / max(fwd, bwd) if link.mbps else None,
         "final_loss": s.losses[-1],
+        "shaper": "netns+tbf" if netns else "transport" if link.mbps or link.one_way_ms else "none",
+        "threads_per_node": threads_per_node(n_stages),
     }
 
 
 def run(
-    cases: list[CodecCase], model: ModelConfig, train: TrainConfig, n_stages: int, links: list[Link]
+    cases: list[CodecCase],
+    model: ModelConfig,
+    train: TrainConfig,
+    n_stages: int,
+    links: list[Link],
+    shaper: str = "transport",
 ) -> list[dict]:
-    """Every codec on every link; adds the ratio to the first codec and the efficiency against the bound."""
+    """Every codec on every link; adds the ratio to the first codec and the efficiency against the bound.
+
+    ``shaper``: ``"transport"`` or ``"netns"`` (tbf-limited namespaces where available).
+    """
+    shaper = resolve_shaper(shaper)
     unshaped = Link("loopback (compute-only)", 0.0)
     rows = []
     compute = {c.name: run_swarm(c, model, train, n_stages, unshaped) for c in cases}
     rows.extend(compute.values())
     for link in links:
         for case in cases:
-            row = run_swarm(case, model, train, n_stages, link)
+            row = run_swarm(case, model, train, n_stages, link, shaper)
             bound = min(compute[case.name]["tokens_per_s"], row["link_bound_tokens_per_s"])
             row["physical_bound_tokens_per_s"] = bound
             row["efficiency"] = row["tokens_per_s"] / bound

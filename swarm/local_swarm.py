@@ -4,28 +4,41 @@ Every process is real (its own interpreter, gRPC server, DHT peer); only the add
 are local. Progress comes from the coordinator's ``Status`` RPC; each process's output
 goes to a log file in the run folder. Ctrl-C (or any failure) stops every process:
 SIGTERM first, SIGKILL for those that do not exit within the grace period.
+
+The processes may also run elsewhere, e.g. each in its own network namespace
+(:mod:`bench.netns`): a command prefix per process and the address each binds. A
+coordinator started behind a prefix may be unreachable from here, so the launcher then
+also starts a :func:`relay` behind the same prefix, from a Unix socket (the file
+system is shared across network namespaces) to the coordinator, and polls through it.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import secrets
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from tqdm import tqdm
 
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
-from swarm.config import RunConfig
+
+if TYPE_CHECKING:  # not imported at run time: the relay process starts without torch
+    from swarm.config import RunConfig
 
 LISTENING = re.compile(r"coordinator listening on (\S+)")
+RELAYING = re.compile(r"relay listening on (\S+)")
 GRACE_S = 10.0
 
 
@@ -120,8 +133,17 @@ def up(
     use_dht: bool = True,
     progress: bool = True,
     timeout: float = 3600.0,
+    launch_prefix: Callable[[int], list[str]] | None = None,
+    node_host: Callable[[int], str] | None = None,
+    coordinator_prefix: list[str] | None = None,
+    coordinator_host: str | None = None,
 ) -> SwarmSummary:
-    """Run ``config`` on a local swarm; returns when every node has finished (or raises)."""
+    """Run ``config`` on a local swarm; returns when every node has finished (or raises).
+
+    ``launch_prefix(i)`` / ``coordinator_prefix``: commands that node ``i`` / the
+    coordinator run behind (e.g. ``ip netns exec NS``); ``node_host(i)`` /
+    ``coordinator_host``: the address each binds and announces (default: no prefix, 127.0.0.1).
+    """
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
     nodes = nodes or -(-config.n_stages // stages_per_node)
@@ -131,19 +153,32 @@ def up(
     state_path = run / "coordinator.sqlite"
     state_path.unlink(missing_ok=True)
     token = secrets.token_hex(16)
+    status_socket = Path(tempfile.gettempdir()) / f"swarm-status-{token[:16]}.sock"
     group = ProcessGroup()
     py = sys.executable
     try:
         coord_lines: list[str] = []
-        coord_args = [py, "-m", "coordinator.cli", "serve", "--config", str(run / "run.toml"), "--port", "0"]
-        coord_args += ["--state", str(state_path), "--token", token, "--metrics-port", "-1"]
+        coord_args = [*(coordinator_prefix or []), py, "-m", "coordinator.cli", "serve"]
+        coord_args += ["--config", str(run / "run.toml"), "--port", "0", "--state", str(state_path)]
+        coord_args += ["--token", token, "--metrics-port", "-1"]
+        coord_args += ["--host", coordinator_host] if coordinator_host else []
         coord_args += [] if use_dht else ["--no-dht"]
         coord = group.start(coord_args, run / "coordinator.err")
         _tee(coord, run / "coordinator.log", coord_lines)
         address = _wait_for_line(coord_lines, LISTENING, coord, 60).group(1)
+        status_address = address
+        if coordinator_prefix:
+            relay_lines: list[str] = []
+            relay_args = [*coordinator_prefix, py, "-m", "swarm.local_swarm", "relay", str(status_socket)]
+            relay_args.append(address)
+            relay_proc = group.start(relay_args, run / "relay.err")
+            _tee(relay_proc, run / "relay.log", relay_lines)
+            status_address = _wait_for_line(relay_lines, RELAYING, relay_proc, 60).group(1)
         node_procs, logs = [], []
         for i in range(nodes):
-            args = [py, "-m", "node.cli", "join", "--coordinator", address, "--token", token]
+            args = [*(launch_prefix(i) if launch_prefix else []), py, "-m", "node.cli", "join"]
+            args += ["--coordinator", address, "--token", token]
+            args += ["--listen", f"{node_host(i)}:0"] if node_host else []
             args += [
                 "--stages",
                 str(stages_per_node),
@@ -166,7 +201,7 @@ def up(
             node_procs.append(proc)
             logs.append(run / f"node{i}.log")
         start = time.monotonic()
-        poller = StatusPoller(address)
+        poller = StatusPoller(status_address)
         try:
             _follow(config, poller, node_procs, progress, timeout)
         finally:
@@ -178,6 +213,35 @@ def up(
         return _summary(config, poller.steps, seconds, logs)
     finally:
         group.stop()
+        if coordinator_prefix:
+            status_socket.unlink(missing_ok=True)
+
+
+async def relay(socket_path: str, target: str) -> None:
+    """Forward every connection to the Unix socket ``socket_path`` to ``target`` (HOST:PORT)."""
+    host, _, port = target.rpartition(":")
+
+    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            up_reader, up_writer = await asyncio.open_connection(host.strip("[]"), int(port))
+        except OSError:
+            writer.close()
+            return
+        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer), return_exceptions=True)
+
+    Path(socket_path).unlink(missing_ok=True)
+    server = await asyncio.start_unix_server(handle, socket_path)
+    print(f"relay listening on unix:{socket_path}", flush=True)
+    async with server:
+        await server.serve_forever()
 
 
 class StatusPoller:
@@ -240,3 +304,9 @@ def _summary(config: RunConfig, steps: list, seconds: float, logs: list[Path]) -
         node_logs=logs,
         step_summaries=list(steps),
     )
+
+
+if __name__ == "__main__":  # python -m swarm.local_swarm relay SOCKET HOST:PORT (see up)
+    if len(sys.argv) != 4 or sys.argv[1] != "relay":
+        sys.exit("usage: python -m swarm.local_swarm relay SOCKET HOST:PORT")
+    asyncio.run(relay(sys.argv[2], sys.argv[3]))

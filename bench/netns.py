@@ -1,0 +1,186 @@
+"""Emulated slow links: network namespaces, a bridge, veth pairs and ``tc tbf`` rate limits.
+
+Topology of one :class:`EmulatedNetwork` ``N`` (namespace names carry the owner's pid
+and an instance counter, so parallel and aborted runs never collide)::
+
+    netns N-h{i}  eth0 10.213.0.{i+2}/24  [tbf: what host i sends]
+                    |  veth
+    netns N-br    p{i} [tbf: what host i receives] -- br0 -- pc
+                                                              |  veth (unshaped)
+    netns N-ctl   eth0 10.213.0.1/24  (optional control host, e.g. a coordinator)
+
+Each host's access link is full duplex at ``mbps``: a ``tbf`` on the host's end of its
+veth pair limits what it sends, one on the bridge's end limits what it receives. Every
+namespace has ``lo`` up. Addresses exist only inside these namespaces and nothing
+routes out of them, so instances cannot collide with each other or with the machine's
+own networks (hence one fixed subnet); the root namespace gets no address. The kernel
+has no ``netem``: these links add rate limits, not delay.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import os
+import re
+import shutil
+import signal
+import subprocess
+
+SUBNET = "10.213.0"
+IFNAME = "eth0"  # every host's interface inside its namespace
+QUEUE_MS = 20  # tbf queue (the time a packet may wait for tokens)
+_instances = itertools.count()
+
+
+def _ip(*args: str) -> None:
+    done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=30)
+    if done.returncode:
+        raise RuntimeError(f"ip {' '.join(args)}: {done.stderr.strip()}")
+
+
+def _tc(ns: str, *args: str) -> None:
+    done = subprocess.run(["tc", "-n", ns, *args], capture_output=True, text=True, timeout=30)
+    if done.returncode:
+        raise RuntimeError(f"tc -n {ns} {' '.join(args)}: {done.stderr.strip()}")
+
+
+def _tbf(mbps: float) -> list[str]:
+    """tbf arguments for ``mbps``; the bucket holds >= 4 ms of traffic and >= 32 KiB (GSO frames)."""
+    burst = max(32 * 1024, int(mbps * 1e6 / 8 * 0.004))
+    return ["tbf", "rate", f"{mbps}mbit", "burst", str(burst), "latency", f"{QUEUE_MS}ms"]
+
+
+def list_namespaces() -> list[str]:
+    done = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30, check=True)
+    return [line.split()[0] for line in done.stdout.splitlines() if line.strip()]
+
+
+@functools.cache
+def available() -> tuple[bool, str]:
+    """Whether this machine can build an :class:`EmulatedNetwork`, and if not, why."""
+    if os.geteuid() != 0:
+        return False, "network namespaces need root"
+    missing = [tool for tool in ("ip", "tc") if shutil.which(tool) is None]
+    if missing:
+        return False, f"missing {', '.join(missing)} (iproute2)"
+    ns = f"sws-{os.getpid()}-{next(_instances)}-probe"  # cleanup_stale() finds it if left behind
+    try:
+        _ip("netns", "add", ns)
+        _ip("-n", ns, "link", "add", "b0", "type", "bridge")
+        _ip("-n", ns, "link", "add", "v0", "type", "veth", "peer", "name", "v1")
+        _tc(ns, "qdisc", "add", "dev", "v0", "root", *_tbf(10))
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        return False, f"cannot build a namespace with a bridge, veth and tbf: {e}"
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    return True, ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, another user's
+        pass
+    return True
+
+
+def cleanup_stale(prefix: str = "sws", include_live: bool = False) -> list[str]:
+    """Delete the namespaces of ``prefix`` left by processes that no longer run (or all of them)."""
+    pattern = re.compile(rf"^{re.escape(prefix)}-(\d+)-\d+-")
+    deleted = []
+    for ns in list_namespaces():
+        m = pattern.match(ns)
+        if m and (include_live or not _alive(int(m.group(1)))):
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+            deleted.append(ns)
+    return deleted
+
+
+class EmulatedNetwork:
+    """``n_hosts`` namespaces on one bridge, each behind a full-duplex ``mbps`` access link.
+
+    Use as a context manager: ``__exit__`` deletes every namespace it made (also on
+    errors and Ctrl-C). Kill the processes started inside first: a namespace lives on
+    while a process still runs in it.
+    """
+
+    available = staticmethod(available)
+
+    def __init__(self, n_hosts: int, mbps: float, prefix: str = "sws", control: bool = False):
+        if not 1 <= n_hosts <= 250:
+            raise ValueError(f"n_hosts={n_hosts} must lie in [1, 250]")
+        if mbps <= 0:
+            raise ValueError(f"mbps={mbps} must be positive")
+        self.n_hosts, self.mbps, self.control = n_hosts, mbps, control
+        self.name = f"{prefix}-{os.getpid()}-{next(_instances)}"
+        self.bridge_ns = f"{self.name}-br"
+        self.hosts = [f"{self.name}-h{i}" for i in range(n_hosts)]
+        self.control_ns = f"{self.name}-ctl"
+        self._made: list[str] = []
+
+    def host_ip(self, i: int) -> str:
+        return f"{SUBNET}.{i + 2}"
+
+    def exec_prefix(self, i: int) -> list[str]:
+        """The command prefix that runs a program inside host ``i``."""
+        return ["ip", "netns", "exec", self.hosts[i]]
+
+    @property
+    def control_ip(self) -> str:
+        self._need_control()
+        return f"{SUBNET}.1"
+
+    @property
+    def control_prefix(self) -> list[str]:
+        self._need_control()
+        return ["ip", "netns", "exec", self.control_ns]
+
+    def _need_control(self) -> None:
+        if not self.control:
+            raise ValueError("this network was built without a control host (control=True)")
+
+    def __enter__(self) -> EmulatedNetwork:
+        try:
+            self._build()
+        except BaseException:
+            self._teardown()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._teardown()
+
+    def _add_ns(self, ns: str) -> None:
+        _ip("netns", "add", ns)
+        self._made.append(ns)
+        _ip("-n", ns, "link", "set", "lo", "up")
+
+    def _build(self) -> None:
+        self._add_ns(self.bridge_ns)
+        _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
+        _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
+        ports = [(ns, f"p{i}", self.host_ip(i), True) for i, ns in enumerate(self.hosts)]
+        if self.control:
+            ports.append((self.control_ns, "pc", f"{SUBNET}.1", False))
+        for ns, port, address, shaped in ports:
+            self._add_ns(ns)
+            peer = ["peer", "name", IFNAME, "netns", ns]
+            _ip("-n", self.bridge_ns, "link", "add", port, "type", "veth", *peer)
+            _ip("-n", self.bridge_ns, "link", "set", port, "master", "br0", "up")
+            _ip("-n", ns, "addr", "add", f"{address}/24", "dev", IFNAME)
+            _ip("-n", ns, "link", "set", IFNAME, "up")
+            if shaped:
+                _tc(ns, "qdisc", "add", "dev", IFNAME, "root", *_tbf(self.mbps))
+                _tc(self.bridge_ns, "qdisc", "add", "dev", port, "root", *_tbf(self.mbps))
+
+    def _teardown(self) -> None:
+        """Delete every namespace made (their veths and the bridge go with them); Ctrl-C waits."""
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+        try:
+            while self._made:
+                subprocess.run(["ip", "netns", "del", self._made.pop()], capture_output=True, timeout=30)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
