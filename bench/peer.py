@@ -32,8 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from bench.netns import IFNAME, EmulatedNetwork
-from bench.throughput import WARMUP_STEPS, Link
+from bench.throughput import Link
 from swarm.config import ModelConfig, TrainConfig, stage_layer_ranges
+from swarm.local_swarm import WARMUP_STEPS
 from swarm.model import Stage, fixed_embedding
 
 SYSTEM = "torch.distributed.pipelining (gloo, fp32)"

@@ -30,8 +30,6 @@ from bench.netns import EmulatedNetwork
 from swarm.config import ModelConfig, RunConfig, TrainConfig
 from swarm.local_swarm import up
 
-WARMUP_STEPS = 2
-
 
 @dataclasses.dataclass(frozen=True)
 class Link:
@@ -95,16 +93,15 @@ def run_swarm(
             timeout=1800,
             **placement,
         )
-    steady = s.step_summaries[WARMUP_STEPS:] or s.step_summaries
+    steady = s.steady_steps
     tokens = sum(x.tokens for x in steady)
-    seconds = sum(x.wall_seconds for x in steady)
     boundaries = max(1, n_stages - 1)
     fwd = sum(x.bytes_sent_forward for x in steady) / boundaries / tokens
     bwd = sum(x.bytes_sent_backward for x in steady) / boundaries / tokens
     return {
         "codec": case.name,
         "link": link.name,
-        "tokens_per_s": tokens / seconds,
+        "tokens_per_s": s.tokens_per_second,
         "wire_forward_B_per_token": fwd,
         "wire_backward_B_per_token": bwd,
         "link_bound_tokens_per_s": link.mbps * 1e6 / 8 / max(fwd, bwd) if link.mbps else None,

@@ -111,7 +111,8 @@ def cmd_up(args: argparse.Namespace) -> int:
         return 130
     dense = 4 * config.model.d_model  # bf16 activations forward + bf16 gradients backward
     print(
-        f"\n{s.steps} steps, {s.tokens} tokens in {s.seconds:.1f} s ({s.tokens_per_second:.0f} tok/s)\n"
+        f"\n{s.steps} steps, {s.tokens} tokens in {s.seconds:.1f} s "
+        f"({s.tokens_per_second:.0f} tok/s steady-state)\n"
         f"training loss {s.losses[0]:.3f} -> {s.losses[-1]:.3f}\n"
         f"wire bytes/token/boundary {s.wire_bytes_per_token:.1f} "
         f"(bf16 dense {dense}: {dense / s.wire_bytes_per_token:.1f}x less)\n"

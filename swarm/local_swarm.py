@@ -40,6 +40,7 @@ if TYPE_CHECKING:  # not imported at run time: the relay process starts without 
 LISTENING = re.compile(r"coordinator listening on (\S+)")
 RELAYING = re.compile(r"relay listening on (\S+)")
 GRACE_S = 10.0
+WARMUP_STEPS = 2
 
 
 @dataclass
@@ -56,7 +57,15 @@ class SwarmSummary:
 
     @property
     def tokens_per_second(self) -> float:
-        return self.tokens / self.seconds if self.seconds else 0.0
+        """Steady-state throughput: tokens over summed step durations, past the warm-up steps."""
+        steady = self.steady_steps
+        seconds = sum(x.wall_seconds for x in steady)
+        return sum(x.tokens for x in steady) / seconds if seconds else 0.0
+
+    @property
+    def steady_steps(self) -> list:
+        """The steps after :data:`WARMUP_STEPS` (process start-up, caches), or all if there are no more."""
+        return self.step_summaries[WARMUP_STEPS:] or self.step_summaries
 
     @property
     def wire_bytes_per_token(self) -> float:
