@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -108,50 +109,60 @@ def machine() -> dict:
     }
 
 
-def main(quick: bool, out: str | Path) -> dict:
+def sections(p: BenchPlan, quick: bool) -> dict[str, Callable[[], object]]:
+    """Each benchmark section as a thunk, in the order they run."""
+    cases = _cases(p.model)
+    stages = p.n_stages if not quick else 2
+
+    def run_convergence():
+        dataset = load_dataset(RunConfig(model=p.model, n_stages=1))
+        train_cfg = dataclasses.replace(p.train, steps=p.convergence_steps)
+        return convergence.run(
+            _pick(cases, p.convergence_codecs), p.model, train_cfg, p.n_stages, dataset, p.rotation_interval
+        )
+
+    def run_peer():
+        dense = dataclasses.replace(p.throughput_model, constrain_writes=False)
+        rate_only = [Link("loopback (compute-only)", 0.0), *(x for x in p.links if not x.one_way_ms)]
+        return peer.run(dense, p.throughput_train, stages, rate_only, shaper=p.shaper)
+
+    out: dict[str, Callable[[], object]] = {
+        "wire": lambda: wire.run(p.model, p.train, tokens=p.wire_tokens),
+        "overhead": lambda: overhead.run(_pick(cases, p.convergence_codecs), p.model, p.train),
+        "convergence": run_convergence,
+        "throughput": lambda: throughput.run(
+            _pick(_cases(p.throughput_model), p.throughput_codecs),
+            p.throughput_model,
+            p.throughput_train,
+            stages,
+            p.links,
+            shaper=p.shaper,
+        ),
+    }
+    if p.peer:
+        out["peer"] = run_peer
+    return out
+
+
+def main(quick: bool, out: str | Path, resume: bool = False) -> dict:
+    """Run every section, saving ``results.json`` after each; ``resume`` keeps sections already saved
+    by an interrupted run of the same plan."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     p = plan(quick)
-    results: dict = {"quick": quick, "machine": machine(), "plan": dataclasses.asdict(p)}
-    timings = {}
-
-    t0 = time.perf_counter()
-    results["wire"] = wire.run(p.model, p.train, tokens=p.wire_tokens)
-    timings["wire"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    cases = _cases(p.model)
-    results["overhead"] = overhead.run(_pick(cases, p.convergence_codecs), p.model, p.train)
-    timings["overhead"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    dataset = load_dataset(RunConfig(model=p.model, n_stages=1))
-    train_cfg = dataclasses.replace(p.train, steps=p.convergence_steps)
-    results["convergence"] = convergence.run(
-        _pick(cases, p.convergence_codecs), p.model, train_cfg, p.n_stages, dataset, p.rotation_interval
-    )
-    timings["convergence"] = time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    stages = p.n_stages if not quick else 2
-    results["throughput"] = throughput.run(
-        _pick(_cases(p.throughput_model), p.throughput_codecs),
-        p.throughput_model,
-        p.throughput_train,
-        stages,
-        p.links,
-        shaper=p.shaper,
-    )
-    timings["throughput"] = time.perf_counter() - t0
-    if p.peer:
+    results: dict = {"quick": quick, "machine": machine(), "plan": dataclasses.asdict(p), "seconds": {}}
+    saved = out / "results.json"
+    if resume and saved.exists():
+        previous = json.loads(saved.read_text())
+        if previous.get("plan") == json.loads(json.dumps(results["plan"], default=str)):
+            results = previous
+    for name, section in sections(p, quick).items():
+        if name in results:
+            continue
         t0 = time.perf_counter()
-        dense = dataclasses.replace(p.throughput_model, constrain_writes=False)
-        rate_only = [Link("loopback (compute-only)", 0.0), *(x for x in p.links if not x.one_way_ms)]
-        results["peer"] = peer.run(dense, p.throughput_train, stages, rate_only, shaper=p.shaper)
-        timings["peer"] = time.perf_counter() - t0
-    results["seconds"] = timings
-
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+        results[name] = section()
+        results["seconds"][name] = time.perf_counter() - t0
+        saved.write_text(json.dumps(results, indent=2, default=str))
     (out / "results.md").write_text(report.markdown(results))
     report.plots(results, out)
     return results

@@ -111,6 +111,15 @@ def run_swarm(
     }
 
 
+def _attempt(case: CodecCase, model: ModelConfig, train: TrainConfig, n_stages: int, link: Link, shaper: str):
+    """:func:`run_swarm`, tried twice: a swarm that fails twice is an error the report must show."""
+    try:
+        return run_swarm(case, model, train, n_stages, link, shaper)
+    except RuntimeError as first:
+        warnings.warn(f"{case.name} on {link.name} failed, retrying: {first}", stacklevel=2)
+        return run_swarm(case, model, train, n_stages, link, shaper)
+
+
 def run(
     cases: list[CodecCase],
     model: ModelConfig,
@@ -126,11 +135,11 @@ def run(
     shaper = resolve_shaper(shaper)
     unshaped = Link("loopback (compute-only)", 0.0)
     rows = []
-    compute = {c.name: run_swarm(c, model, train, n_stages, unshaped) for c in cases}
+    compute = {c.name: _attempt(c, model, train, n_stages, unshaped, "transport") for c in cases}
     rows.extend(compute.values())
     for link in links:
         for case in cases:
-            row = run_swarm(case, model, train, n_stages, link, shaper)
+            row = _attempt(case, model, train, n_stages, link, shaper)
             bound = min(compute[case.name]["tokens_per_s"], row["link_bound_tokens_per_s"])
             row["physical_bound_tokens_per_s"] = bound
             row["efficiency"] = row["tokens_per_s"] / bound

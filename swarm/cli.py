@@ -125,7 +125,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from bench.run import main as bench_main
 
     out = args.out or ("results/bench-quick" if args.quick else "bench/results")
-    results = bench_main(args.quick, out)
+    results = bench_main(args.quick, out, resume=args.resume)
     print(
         f"benchmarks done in {sum(results['seconds'].values()):.0f} s: {out}/results.md, results.json, *.png"
     )

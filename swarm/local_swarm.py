@@ -117,6 +117,12 @@ def _tee(proc: subprocess.Popen, log_path: Path, lines: list[str]) -> threading.
     return thread
 
 
+def _last_error(path: Path) -> str:
+    """The last meaningful line of a process's stderr (gRPC's fork notices skipped)."""
+    lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip() and "fork_posix" not in x]
+    return lines[-1] if lines else "(no output)"
+
+
 def _wait_for_line(lines: list[str], pattern: re.Pattern, proc: subprocess.Popen, timeout: float) -> re.Match:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -216,9 +222,10 @@ def up(
         finally:
             poller.close()
         seconds = time.monotonic() - start
-        failed = [(i, p.returncode) for i, p in enumerate(node_procs) if p.returncode != 0]
+        failed = [(i, p.returncode) for i, p in enumerate(node_procs) if p.returncode not in (0, None)]
         if failed:
-            raise RuntimeError(f"nodes failed (index, exit code): {failed}; see the logs in {run}")
+            detail = "\n".join(f"node{i}: {_last_error(run / f'node{i}.err')}" for i, _ in failed)
+            raise RuntimeError(f"nodes failed (index, exit code): {failed}; logs in {run}\n{detail}")
         return _summary(config, poller.steps, seconds, logs)
     finally:
         group.stop()
