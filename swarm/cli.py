@@ -157,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--out", help="results folder (default: bench/results, or results/bench-quick with --quick)"
     )
+    p.add_argument("--resume", action="store_true", help="keep the sections an interrupted run already saved")
     p.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     try:
