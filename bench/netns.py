@@ -29,7 +29,7 @@ import subprocess
 
 SUBNET = "10.213.0"
 IFNAME = "eth0"  # every host's interface inside its namespace
-QUEUE_MS = 20  # tbf queue (the time a packet may wait for tokens)
+QUEUE_MS = 100  # tbf queue (the time a packet may wait for tokens): a modest access-link buffer
 _instances = itertools.count()
 
 

@@ -88,7 +88,10 @@ def markdown(r: dict) -> str:
             ],
         ),
         "",
-        "## Throughput of a local swarm on emulated links (transport shaper: rate + one-way delay)",
+        "## Throughput of a local swarm on emulated links",
+        "`netns+tbf`: every node in its own network namespace behind a `tc tbf` access link of that rate "
+        "(full duplex); `transport`: the transport's shaper. One-way delay always comes from the transport "
+        "shaper (no netem in this kernel). Bound: min(compute-only tokens/s, link rate / wire B per token).",
         "",
         _table(
             r["throughput"],

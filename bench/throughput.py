@@ -90,6 +90,7 @@ def run_swarm(
             link_latency_ms=link.one_way_ms,
             progress=False,
             use_dht=False,
+            dead_after=120.0,  # heartbeats share a saturated 2 Mbit/s link with the frames
             timeout=1800,
             **placement,
         )

@@ -118,9 +118,13 @@ def _tee(proc: subprocess.Popen, log_path: Path, lines: list[str]) -> threading.
 
 
 def _last_error(path: Path) -> str:
-    """The last meaningful line of a process's stderr (gRPC's fork notices skipped)."""
-    lines = [x for x in path.read_text(errors="replace").splitlines() if x.strip() and "fork_posix" not in x]
-    return lines[-1] if lines else "(no output)"
+    """The most telling line of a process's stderr: a gRPC error's details, else the last error line."""
+    lines = [x.strip() for x in path.read_text(errors="replace").splitlines() if "fork_posix" not in x]
+    for marker in ("details =", "Error", "error"):
+        hits = [x for x in lines if marker in x]
+        if hits:
+            return hits[-1]
+    return next((x for x in reversed(lines) if x), "(no output)")
 
 
 def _wait_for_line(lines: list[str], pattern: re.Pattern, proc: subprocess.Popen, timeout: float) -> re.Match:
@@ -146,6 +150,7 @@ def up(
     link_latency_ms: float = 0.0,
     device: str = "cpu",
     use_dht: bool = True,
+    dead_after: float = 15.0,
     progress: bool = True,
     timeout: float = 3600.0,
     launch_prefix: Callable[[int], list[str]] | None = None,
@@ -158,6 +163,8 @@ def up(
     ``launch_prefix(i)`` / ``coordinator_prefix``: commands that node ``i`` / the
     coordinator run behind (e.g. ``ip netns exec NS``); ``node_host(i)`` /
     ``coordinator_host``: the address each binds and announces (default: no prefix, 127.0.0.1).
+    ``dead_after``: seconds without a heartbeat before the coordinator drops a node (raise it
+    for very slow links, where heartbeats queue behind the frames).
     """
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -175,7 +182,7 @@ def up(
         coord_lines: list[str] = []
         coord_args = [*(coordinator_prefix or []), py, "-m", "coordinator.cli", "serve"]
         coord_args += ["--config", str(run / "run.toml"), "--port", "0", "--state", str(state_path)]
-        coord_args += ["--token", token, "--metrics-port", "-1"]
+        coord_args += ["--token", token, "--metrics-port", "-1", "--dead-after", str(dead_after)]
         coord_args += ["--host", coordinator_host] if coordinator_host else []
         coord_args += [] if use_dht else ["--no-dht"]
         coord = group.start(coord_args, run / "coordinator.err")
