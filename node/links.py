@@ -163,9 +163,16 @@ class StageLink:
         finish: Callable[[], Awaitable[None]] | None = None,
     ):
         self.boundary, self._read, self.metrics, self._finish = boundary, read, metrics, finish
-        self._sender = ShapedSender(write, profile) if profile.shaped else None
-        self._write = write
+        self._raw_write = write
+        self._sender = ShapedSender(self._write, profile) if profile.shaped else None
         self.bytes_sent = 0
+
+    async def _write(self, msg: stage_pb2.StageMessage) -> None:
+        """Write one message; a stream the peer already closed becomes a :class:`LinkError`."""
+        try:
+            await self._raw_write(msg)
+        except Exception as e:  # grpc raises AioRpcError or its internal ExecuteBatchError here
+            raise LinkError(f"boundary {self.boundary}: the stream to the peer is closed ({e})") from None
 
     async def send(self, item: Item) -> int:
         """Send one item; returns its serialized size (what crossed the wire)."""

@@ -35,7 +35,13 @@ class ShapedSender:
         self._deliverer = asyncio.create_task(self._deliver())
 
     async def send(self, message: object, nbytes: int) -> None:
-        """Occupy the link for the message's transmission time, then hand it to the delay line."""
+        """Occupy the link for the message's transmission time, then hand it to the delay line.
+
+        Raises what an earlier delivery raised: the link is then broken for good.
+        """
+        if self._deliverer.done():
+            self._deliverer.result()  # re-raises the delivery's exception
+            raise RuntimeError("the emulated link is closed")
         now = time.monotonic()
         start = max(now, self._link_free_at)
         tx = 8 * nbytes / (self.profile.mbps * 1e6) if self.profile.mbps > 0 else 0.0
