@@ -165,7 +165,6 @@ class StageLink:
         self.boundary, self._read, self.metrics, self._finish = boundary, read, metrics, finish
         self._raw_write = write
         self._sender = ShapedSender(self._write, profile) if profile.shaped else None
-        self.bytes_sent = 0
 
     async def _write(self, msg: stage_pb2.StageMessage) -> None:
         """Write one message; a stream the peer already closed becomes a :class:`LinkError`."""
@@ -178,11 +177,7 @@ class StageLink:
         """Send one item; returns its serialized size (what crossed the wire)."""
         msg = sync_to_message(item) if isinstance(item, BoundarySync) else to_message(item)
         size = msg.ByteSize()
-        direction = "forward" if isinstance(item, ActivationFrame) else "backward"
-        if isinstance(item, BoundarySync):
-            direction = "sync"
-        self.metrics.wire_bytes.labels(str(self.boundary), direction, "sent").inc(size)
-        self.bytes_sent += size
+        self.metrics.wire_bytes.labels(str(self.boundary), _direction(item), "sent").inc(size)
         if self._sender is not None:
             await self._sender.send(msg, size)
         else:

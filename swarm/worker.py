@@ -39,8 +39,6 @@ class StageStats:
     """What a worker did in one step; summed into the step's metrics."""
 
     tokens: int = 0
-    bytes_sent_forward: int = 0
-    bytes_sent_backward: int = 0
     loss_sum: float = 0.0
     loss_count: int = 0
     grad_norm: float = 0.0
@@ -156,8 +154,6 @@ class StageWorker:
             self._record(microbatch, ids, output, received)
         if self.is_last:
             return loss.item()
-        if train:
-            self.stats.bytes_sent_forward += frame.nbytes
         return frame
 
     def _record(self, microbatch: int, ids: torch.Tensor, output: torch.Tensor, received) -> None:
@@ -189,9 +185,7 @@ class StageWorker:
             saved.output.backward(g)
         if self.is_first:
             return None
-        frame = self.inbound.encode_gradient(saved.received.grad, step, microbatch, self.version)
-        self.stats.bytes_sent_backward += frame.nbytes
-        return frame
+        return self.inbound.encode_gradient(saved.received.grad, step, microbatch, self.version)
 
     def _check_step(self, got: int, expected: int) -> None:
         if got != expected:
