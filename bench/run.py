@@ -23,7 +23,7 @@ from bench import convergence, overhead, peer, report, throughput, wire
 from bench.codecs import CodecCase, codec_cases
 from bench.throughput import Link
 from swarm.config import MODEL_PRESETS, ModelConfig, RunConfig, TrainConfig
-from swarm.train import load_dataset
+from swarm.data import load_dataset
 
 
 @dataclass

@@ -6,6 +6,15 @@ so the in-memory plan needs no lock; every change is written through to SQLite
 
 Calls after ``Join`` are authorised by the node id alone (a random uuid4 only the node
 and the coordinator know). ``Status``, ``GetRunConfig`` and ``FetchArtifact`` are open.
+
+Epochs. Whenever a stage changes owner (a node joins into a free stage, leaves, or is
+declared dead) or a node reports a broken boundary, a new plan epoch starts: it resumes
+from the latest complete checkpoint cut whose snapshots all verify, and every node
+rebuilds its stages from there. Snapshot records past that cut are dropped (those steps
+will be redone), so every cut the coordinator holds comes from one history. Reports that
+carry an older epoch are refused, and a node declared dead stays dead (fenced): its calls
+are refused and its heartbeats answered ``known=False``. Once every stage has reported
+the last step the run is complete and membership changes no longer replan it.
 """
 
 from __future__ import annotations
@@ -13,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -23,21 +33,27 @@ import grpc
 
 from coordinator.assignment import assign, links_for, stages_of
 from coordinator.rotation import Rejected, RotationCollector
-from coordinator.state import CoordinatorState, NodeRecord, SavedStatistic
+from coordinator.state import CheckpointRecord, CoordinatorState, NodeRecord, SavedStatistic
+from coordinator.store import ArtifactStore, UploadError
 from swarm._proto.swarm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
 from swarm.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
+from swarm.codecs.base import PayloadError
 from swarm.config import RunConfig, config_hash
 from swarm.metrics import Metrics
-from swarm.pipeline import initial_artifacts
-from swarm.subspace import SubspaceRotation
+from swarm.subspace import SubspaceRotation, initial_artifacts
+from swarm.transport.channel import server_options
 from swarm.transport.frames import PROTOCOL_VERSION, rotation_to_proto
 
-MAX_MESSAGE_BYTES = 64 << 20
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.so_reuseport", 0),  # a second coordinator on a taken port must fail, not share it
-]
+log = logging.getLogger("swarm.coordinator")
+
+MAX_SNAPSHOT_BYTES = 16 << 30
+RESUME_GRACE_S = 10.0
+# Rejection label -> gRPC status: a fenced node must stop, a stale epoch only drops the call.
+_REJECTION_STATUS = {
+    "unknown_node": grpc.StatusCode.PERMISSION_DENIED,
+    "stale_epoch": grpc.StatusCode.ABORTED,
+    "not_hosting": grpc.StatusCode.ABORTED,
+}
 
 
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
@@ -75,6 +91,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.state.close()
             raise
         self.run_id, self.auth_token, self.plan_epoch = run.id, run.auth_token, run.plan_epoch
+        self.resume_step, self.restarts = run.resume_step, run.restarts
+        state_file = Path(state_path)
+        self.store = ArtifactStore(state_file.with_name(state_file.name + ".artifacts"), MAX_SNAPSHOT_BYTES)
+        self.checkpoints = {(r.step, r.stage): r for r in self.state.checkpoints()}
+        self.completed = self.state.completed_step(config.n_stages)
+        self.cut_requests = 0
         fixed, basis = initial_artifacts(config)
         embedding = matrix_to_bytes(fixed)
         self.embedding_digest = digest(embedding)
@@ -85,10 +107,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         for stat in self.state.statistics():
             with contextlib.suppress(Rejected):
                 self._offer(stat)
-        # Resumed nodes that were alive get a full dead_after_s to heartbeat again.
+        # Resumed nodes that were alive get at least RESUME_GRACE_S to heartbeat again
+        # (their channels are reconnecting).
         self.nodes = {node.id: node for node in self.state.nodes()}
-        now = time.monotonic()
+        now = time.monotonic() + max(0.0, RESUME_GRACE_S - dead_after_s)
         self.last_seen = dict.fromkeys(self.nodes, now)
+        self.phases: dict[str, int] = {}
+        self.node_epochs: dict[str, int] = {}
         self.reaper: asyncio.Task[None] | None = None
         metrics.subspace_version.set(self.rotation.version)
         self._update_alive()
@@ -120,6 +145,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             await asyncio.sleep(period)
             self.reap()
 
+    @property
+    def run_complete(self) -> bool:
+        return self.completed >= self.config.train.steps - 1
+
     def reap(self) -> None:
         """Declare dead every alive node silent for longer than ``dead_after_s``; reassign its stages."""
         now = time.monotonic()
@@ -139,7 +168,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return owners
 
     def _replan(self, before: list[str | None]) -> None:
-        """Hand free stages to standbys (join order), persist changed nodes, bump the epoch on change."""
+        """Hand free stages to standbys (join order), persist changed nodes, start an epoch on change."""
+        if self.run_complete:
+            self._update_alive()
+            return
         standbys = [(n.id, n.max_stages) for n in self.nodes.values() if n.alive and not n.stages]
         owners = assign(self._owners(), standbys)
         for node in self.nodes.values():
@@ -148,9 +180,60 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 node.stages = stages
                 self.state.upsert_node(node)
         if owners != before:
-            self.plan_epoch += 1
-            self.state.set_plan_epoch(self.plan_epoch)
+            self._start_epoch("stage owners changed")
         self._update_alive()
+
+    def _start_epoch(self, reason: str) -> None:
+        """A new plan epoch, resuming from the latest verified cut; later snapshot records are dropped."""
+        cut = self._latest_verified_cut()
+        past = [r for r in self.checkpoints.values() if r.step > cut]
+        self._forget(past)
+        restarted = self.completed >= 0 or self.resume_step > 0
+        self.plan_epoch, self.resume_step = self.plan_epoch + 1, cut + 1
+        self.restarts += int(restarted)
+        self.state.set_epoch(self.plan_epoch, self.resume_step, self.restarts)
+        self.metrics.plan_epoch.set(self.plan_epoch)
+        log.info("plan epoch %d (%s): resume at step %d", self.plan_epoch, reason, self.resume_step)
+
+    def _complete_cuts(self) -> list[int]:
+        """Steps every stage has a snapshot record of, newest first."""
+        counts: dict[int, int] = {}
+        for step, _ in self.checkpoints:
+            counts[step] = counts.get(step, 0) + 1
+        return sorted((s for s, n in counts.items() if n == self.config.n_stages), reverse=True)
+
+    def _latest_verified_cut(self) -> int:
+        """The newest complete cut whose snapshots all pass their hash check (-1: none).
+
+        A snapshot that fails is deleted with its record, so its cut is never offered again.
+        """
+        for step in self._complete_cuts():
+            records = [self.checkpoints[(step, s)] for s in range(self.config.n_stages)]
+            bad = [r for r in records if self.store.read(r.digest) is None]
+            if not bad:
+                return step
+            for r in bad:
+                self.metrics.rejected.labels(reason="corrupt_snapshot").inc()
+                log.warning("snapshot of stage %d at step %d failed its hash check", r.stage, r.step)
+            self._forget(bad)
+        return -1
+
+    def _forget(self, records: list[CheckpointRecord]) -> None:
+        """Drop snapshot records, and their artifacts when no other record names them."""
+        for r in records:
+            self.checkpoints.pop((r.step, r.stage), None)
+        self.state.remove_checkpoints(records)
+        kept = {r.digest for r in self.checkpoints.values()}
+        for key in {r.digest for r in records} - kept:
+            self.store.remove(key)
+
+    def _prune_cuts(self) -> None:
+        """Keep the newest ``checkpoint.keep`` complete cuts (and anything newer)."""
+        cuts = self._complete_cuts()
+        if len(cuts) > self.config.checkpoint.keep:
+            oldest_kept = cuts[self.config.checkpoint.keep - 1]
+            restore = self.resume_step - 1  # the current epoch's cut: a late joiner still needs it
+            self._forget([r for r in self.checkpoints.values() if r.step < oldest_kept and r.step != restore])
 
     def _remove(self, node: NodeRecord) -> None:
         before = self._owners()
@@ -169,12 +252,24 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         node = self.nodes.get(node_id)
         return node if node is not None and node.alive else None
 
-    def _require_host(self, node_id: str, stage: int) -> None:
+    def _require_member(self, node_id: str, epoch: int) -> NodeRecord:
+        """The alive node ``node_id`` following the current epoch, else :class:`Rejected`."""
         node = self._alive_node(node_id)
         if node is None:
-            raise Rejected("unknown_node", f"unknown node {node_id!r}; join again")
-        if stage not in node.stages:
+            raise Rejected("unknown_node", f"node {node_id!r} is not in the run (declared dead or replaced)")
+        if epoch != self.plan_epoch:
+            raise Rejected(
+                "stale_epoch", f"plan epoch {epoch} is stale; the current epoch is {self.plan_epoch}"
+            )
+        return node
+
+    def _require_host(self, node_id: str, stage: int, epoch: int) -> None:
+        if stage not in self._require_member(node_id, epoch).stages:
             raise Rejected("not_hosting", f"node {node_id} does not host stage {stage}")
+
+    async def _refuse(self, context: grpc.aio.ServicerContext, e: Rejected) -> NoReturn:
+        code = _REJECTION_STATUS.get(e.label, grpc.StatusCode.INVALID_ARGUMENT)
+        await self._reject(context, code, e.label, str(e))
 
     async def _reject(
         self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, label: str, msg: str
@@ -214,35 +309,75 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             run_id=self.run_id,
             config_json=self.config_json,
             config_hash=self.config_hash,
-            stages=node.stages,
             embedding_digest=self.embedding_digest,
             embedding_size=len(self.artifacts[self.embedding_digest]),
             subspace_version=self.rotation.version,
-            links=self._links(node.id),
-            plan_epoch=self.plan_epoch,
             heartbeat_interval_ms=self.heartbeat_interval_ms,
             auth_token=self.auth_token,
             dht_initial_peers=self.dht_peers,
+            plan=self._plan(node),
+            run_complete=self.run_complete,
+        )
+
+    def _plan(self, node: NodeRecord) -> coordinator_pb2.Plan:
+        restore = []
+        if self.resume_step > 0:
+            for s in node.stages:
+                r = self.checkpoints[(self.resume_step - 1, s)]
+                restore.append(
+                    coordinator_pb2.StageCheckpoint(stage=s, step=r.step, digest=r.digest, size=r.size)
+                )
+        return coordinator_pb2.Plan(
+            epoch=self.plan_epoch,
+            stages=node.stages,
+            links=self._links(node.id),
+            resume_step=self.resume_step,
+            restore=restore,
         )
 
     async def Heartbeat(self, request, context):
         node = self._alive_node(request.node_id)
         if node is None:
+            self.metrics.rejected.labels(reason="unknown_node").inc()
             return coordinator_pb2.HeartbeatReply(known=False, plan_epoch=self.plan_epoch)
         self.last_seen[node.id] = time.monotonic()
-        return coordinator_pb2.HeartbeatReply(
+        self.phases[node.id], self.node_epochs[node.id] = request.phase, request.plan_epoch
+        reply = coordinator_pb2.HeartbeatReply(
             known=True,
             plan_epoch=self.plan_epoch,
-            stages=node.stages,
-            links=self._links(node.id),
             subspace_version=self.rotation.version,
+            run_complete=self.run_complete,
+            cut_requests=self.cut_requests,
         )
+        if request.plan_epoch != self.plan_epoch:
+            reply.plan.CopyFrom(self._plan(node))
+        return reply
 
     async def Leave(self, request, context):
         node = self._alive_node(request.node_id)
         if node is not None:
+            log.info("node %s leaves: %s", node.id[:8], request.reason or "no reason given")
             self._remove(node)
         return coordinator_pb2.LeaveReply()
+
+    async def ReportFailure(self, request, context):
+        try:
+            self._require_member(request.node_id, request.plan_epoch)
+        except Rejected as e:
+            if e.label != "stale_epoch":  # a failure of an old epoch is already handled
+                await self._refuse(context, e)
+        else:
+            if not self.run_complete:
+                self._start_epoch(f"node {request.node_id[:8]}: {request.reason}")
+        return coordinator_pb2.FailureAck(plan_epoch=self.plan_epoch)
+
+    async def RequestCut(self, request, context):
+        try:
+            self._require_member(request.node_id, request.plan_epoch)
+        except Rejected as e:
+            await self._refuse(context, e)
+        self.cut_requests += 1
+        return coordinator_pb2.CutAck()
 
     async def GetRunConfig(self, request, context):
         return coordinator_pb2.RunConfigReply(
@@ -251,6 +386,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def FetchArtifact(self, request, context) -> AsyncIterator[coordinator_pb2.ArtifactChunk]:
         data = self.artifacts.get(request.digest)
+        with contextlib.suppress(PayloadError):  # a malformed digest is simply not found
+            if data is None and self.store.complete(request.digest):
+                data = self.store.read(request.digest)
         if data is None:
             await context.abort(grpc.StatusCode.NOT_FOUND, f"no artifact {request.digest!r}")
         if request.offset > len(data):
@@ -264,6 +402,53 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 total_size=len(data),
                 digest=request.digest,
             )
+
+    async def UploadArtifact(self, request_iterator, context) -> coordinator_pb2.UploadReply:
+        key, complete = "", False
+        async for chunk in request_iterator:
+            try:
+                if not key:
+                    self._require_member(chunk.node_id, self.plan_epoch)
+                    key = chunk.digest
+                elif chunk.digest != key:
+                    raise UploadError("one upload carries one artifact")
+                complete = self.store.append(key, chunk.offset, chunk.data, chunk.total_size)
+            except Rejected as e:
+                await self._refuse(context, e)
+            except UploadError as e:
+                await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, "bad_upload", str(e))
+            except PayloadError as e:
+                await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_upload", str(e))
+        return coordinator_pb2.UploadReply(held=self.store.held(key) if key else 0, complete=complete)
+
+    async def ArtifactStatus(self, request, context) -> coordinator_pb2.ArtifactStatusReply:
+        try:
+            self._require_member(request.node_id, self.plan_epoch)
+            held, complete = self.store.held(request.digest), self.store.complete(request.digest)
+        except Rejected as e:
+            await self._refuse(context, e)
+        except PayloadError as e:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed", str(e))
+        return coordinator_pb2.ArtifactStatusReply(held=held, complete=complete)
+
+    async def ReportCheckpoint(self, request, context) -> coordinator_pb2.CheckpointAck:
+        c = request.checkpoint
+        try:
+            self._require_host(request.node_id, c.stage, request.plan_epoch)
+            if not self.store.complete(c.digest) or self.store.held(c.digest) != c.size:
+                raise Rejected("malformed", f"snapshot {c.digest[:12]} of {c.size} bytes is not uploaded")
+        except Rejected as e:
+            await self._refuse(context, e)
+        except PayloadError as e:
+            await self._reject(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed", str(e))
+        record = CheckpointRecord(c.step, c.stage, c.digest, c.size)
+        self.checkpoints[(c.step, c.stage)] = record
+        self.state.add_checkpoint(record)
+        self._prune_cuts()
+        cuts = self._complete_cuts()
+        if cuts:
+            self.metrics.checkpoint_step.set(cuts[0])
+        return coordinator_pb2.CheckpointAck(latest_cut=cuts[0] + 1 if cuts else 0)
 
     async def WatchRotations(self, request, context) -> AsyncIterator[common_pb2.Rotation]:
         queue: asyncio.Queue[SubspaceRotation | None] = asyncio.Queue()
@@ -297,20 +482,29 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             request.step, request.boundary, request.subspace_version, request.gram_times_basis_f64_le
         )
         try:
-            self._require_host(request.node_id, request.stage)
+            self._require_host(request.node_id, request.stage, request.plan_epoch)
             if request.boundary != request.stage - 1:
                 raise Rejected("malformed", f"stage {request.stage} reports boundary {request.boundary}")
+            if self._already_rotated(request.step, request.subspace_version):
+                return coordinator_pb2.StatisticsAck(accepted=True, reason="rotation already published")
             self._offer(stat)
         except Rejected as e:
             self.metrics.rejected.labels(reason=e.label).inc()
             return coordinator_pb2.StatisticsAck(accepted=False, reason=str(e))
         return coordinator_pb2.StatisticsAck(accepted=True)
 
+    def _already_rotated(self, step: int, version: int) -> bool:
+        """A statistic replayed after a rollback, for a rotation that is already published."""
+        return any(
+            r.effective_step == step + 1 and r.version == version + 1
+            for r in self.state.rotations(after_version=version)
+        )
+
     async def ReportStep(self, request, context):
         try:
-            self._require_host(request.node_id, request.stage)
+            self._require_host(request.node_id, request.stage, request.plan_epoch)
         except Rejected as e:
-            await self._reject(context, grpc.StatusCode.FAILED_PRECONDITION, e.label, str(e))
+            await self._refuse(context, e)
         loss = request.loss if request.HasField("loss") else None
         self.state.record_step(
             request.step,
@@ -324,6 +518,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.metrics.step.labels(stage=str(request.stage)).set(request.step)
         if loss is not None and request.stage == self.config.n_stages - 1:
             self.metrics.loss.set(loss)
+        if request.step > self.completed:
+            self.completed = self.state.completed_step(self.config.n_stages)
+            if self.run_complete:
+                log.info("run complete: every stage finished step %d", self.completed)
         return coordinator_pb2.StepAck()
 
     async def Status(self, request, context):
@@ -337,10 +535,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 last_heartbeat_age_s=now - self.last_seen[n.id],
                 alive=n.alive,
                 device=n.device,
+                phase=self.phases.get(n.id, coordinator_pb2.NODE_PHASE_UNSPECIFIED),
+                plan_epoch=self.node_epochs.get(n.id, 0),
             )
             for n in self.nodes.values()
         ]
-        completed = self.state.completed_step(self.config.n_stages)
+        completed = self.completed
+        cuts = self._complete_cuts()
         steps = [
             coordinator_pb2.StepSummary(
                 step=step,
@@ -362,6 +563,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             config_hash=self.config_hash,
             steps_completed=completed + 1,
             steps=steps,
+            plan_epoch=self.plan_epoch,
+            resume_step=self.resume_step,
+            latest_cut=cuts[0] + 1 if cuts else 0,
+            run_complete=self.run_complete,
+            epochs_restarted=self.restarts,
         )
 
 
@@ -386,7 +592,8 @@ class CoordinatorServer:
 
     async def start(self) -> int:
         """Bind, start serving and start the service's reaper; returns the bound port."""
-        self.server = grpc.aio.server(options=GRPC_OPTIONS)
+        # so_reuseport 0: a second coordinator on a taken port must fail, not share it
+        self.server = grpc.aio.server(options=[*server_options(), ("grpc.so_reuseport", 0)])
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, self.server)
         address = host_port(self.host, self.requested_port)
         try:

@@ -2,7 +2,7 @@
 
 Everything needed to resume after a restart lives here; the in-memory service is
 rebuilt from it. Writes are small and infrequent (membership changes, one row per
-reported step, one per boundary statistic and per rotation), so a single connection
+reported step, one per boundary statistic, rotation and stage snapshot), so a single connection
 in autocommit mode with WAL journaling is plenty. Heartbeats are not written: a resumed
 coordinator gives every node a fresh grace period anyway.
 """
@@ -23,7 +23,8 @@ from swarm.subspace import SubspaceRotation
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS run (
     id TEXT PRIMARY KEY, config_json TEXT NOT NULL, config_hash TEXT NOT NULL, auth_token TEXT NOT NULL,
-    plan_epoch INTEGER NOT NULL DEFAULT 0
+    plan_epoch INTEGER NOT NULL DEFAULT 0, resume_step INTEGER NOT NULL DEFAULT 0,
+    restarts INTEGER NOT NULL DEFAULT 0
 );
 CREATE TABLE IF NOT EXISTS nodes (
     id TEXT PRIMARY KEY, name TEXT, address TEXT, device TEXT, max_stages INTEGER NOT NULL,
@@ -38,6 +39,10 @@ CREATE TABLE IF NOT EXISTS statistics (
     PRIMARY KEY (step, boundary)
 );
 CREATE TABLE IF NOT EXISTS rotations (version INTEGER PRIMARY KEY, effective_step INTEGER, message BLOB);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    step INTEGER NOT NULL, stage INTEGER NOT NULL, digest TEXT NOT NULL, size INTEGER NOT NULL, at REAL,
+    PRIMARY KEY (step, stage)
+);
 """
 
 
@@ -46,6 +51,16 @@ class RunRecord:
     id: str
     auth_token: str  # per-run secret for Hello.auth_token on boundary streams
     plan_epoch: int
+    resume_step: int = 0  # first step of the current epoch
+    restarts: int = 0  # epochs that rolled the run back to a cut
+
+
+@dataclass(frozen=True)
+class CheckpointRecord:
+    step: int
+    stage: int
+    digest: str
+    size: int
 
 
 @dataclass
@@ -81,12 +96,14 @@ class CoordinatorState:
 
         A stored run with another config, or another id than a given ``run_id``, is an error.
         """
-        row = self.db.execute("SELECT id, config_hash, auth_token, plan_epoch FROM run").fetchone()
+        row = self.db.execute(
+            "SELECT id, config_hash, auth_token, plan_epoch, resume_step, restarts FROM run"
+        ).fetchone()
         digest = config_hash(config)
         if row is None:
             record = RunRecord(run_id or f"run-{uuid.uuid4().hex[:12]}", secrets.token_hex(32), 0)
             self.db.execute(
-                "INSERT INTO run VALUES (?, ?, ?, ?, ?)",
+                "INSERT INTO run VALUES (?, ?, ?, ?, ?, 0, 0)",
                 (record.id, config.to_json(), digest, record.auth_token, record.plan_epoch),
             )
             return record
@@ -97,10 +114,12 @@ class CoordinatorState:
             )
         if run_id is not None and run_id != row[0]:
             raise ValueError(f"state file {self.path} holds run {row[0]}, not {run_id}")
-        return RunRecord(row[0], row[2], int(row[3]))
+        return RunRecord(row[0], row[2], int(row[3]), int(row[4]), int(row[5]))
 
-    def set_plan_epoch(self, epoch: int) -> None:
-        self.db.execute("UPDATE run SET plan_epoch = ?", (epoch,))
+    def set_epoch(self, epoch: int, resume_step: int, restarts: int) -> None:
+        self.db.execute(
+            "UPDATE run SET plan_epoch = ?, resume_step = ?, restarts = ?", (epoch, resume_step, restarts)
+        )
 
     def upsert_node(self, node: NodeRecord) -> None:
         now = time.time()
@@ -197,6 +216,21 @@ class CoordinatorState:
     def last_rotation(self) -> SubspaceRotation | None:
         row = self.db.execute("SELECT message FROM rotations ORDER BY version DESC LIMIT 1").fetchone()
         return None if row is None else SubspaceRotation.from_bytes(bytes(row[0]))
+
+    def add_checkpoint(self, record: CheckpointRecord) -> None:
+        self.db.execute(
+            "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
+            (record.step, record.stage, record.digest, record.size, time.time()),
+        )
+
+    def checkpoints(self) -> list[CheckpointRecord]:
+        rows = self.db.execute("SELECT step, stage, digest, size FROM checkpoints ORDER BY step, stage")
+        return [CheckpointRecord(int(r[0]), int(r[1]), r[2], int(r[3])) for r in rows]
+
+    def remove_checkpoints(self, records: list[CheckpointRecord]) -> None:
+        self.db.executemany(
+            "DELETE FROM checkpoints WHERE step = ? AND stage = ?", [(r.step, r.stage) for r in records]
+        )
 
     def close(self) -> None:
         self.db.close()

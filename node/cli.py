@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -13,7 +14,10 @@ from pathlib import Path
 
 import uvloop
 
-from node.daemon import NodeDaemon, NodeSettings, say
+from node.coordinator_client import CoordinatorUnreachable, Fenced
+from node.daemon import NodeDaemon
+from node.settings import NodeSettings, Timeouts
+from node.stage_host import say
 from swarm.transport.shaper import LinkProfile
 
 
@@ -50,7 +54,25 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--public-dht", action="store_true", help="allow NAT port mapping (production only)")
     p.add_argument("--name", default="", help="node name shown in status")
-    p.add_argument("--connect-timeout", type=float, default=60.0)
+    defaults = Timeouts()
+    p.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=defaults.connect_s,
+        help="seconds to open a boundary stream (dial retries, or waiting to be dialled)",
+    )
+    p.add_argument(
+        "--step-timeout",
+        type=float,
+        default=defaults.step_s,
+        help="seconds a neighbour may stay silent inside a step before the step fails",
+    )
+    p.add_argument(
+        "--coordinator-down",
+        type=float,
+        default=defaults.coordinator_down_s,
+        help="seconds the coordinator may stay unreachable (retried with backoff) before the node gives up",
+    )
     p.add_argument(
         "--linger-s",
         type=float,
@@ -63,24 +85,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 async def _run(settings: NodeSettings, linger_s: float = 0.0) -> int:
     task = asyncio.current_task()
     loop = asyncio.get_running_loop()
+    daemon = NodeDaemon(settings)
+
+    def leave() -> None:
+        """SIGTERM: leave gracefully (final snapshot cut, Leave); a second signal stops at once."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop)
+        daemon.request_leave()
 
     def stop() -> None:
-        """Cancel the node once; a second signal must not interrupt its shutdown (Leave, DHT, server)."""
+        """SIGINT: cancel the node once; a further signal must not interrupt its shutdown (DHT, server)."""
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, lambda: None)
         task.cancel()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop)
+    loop.add_signal_handler(signal.SIGTERM, leave)
+    loop.add_signal_handler(signal.SIGINT, stop)
     try:
-        result = await NodeDaemon(settings).run()
+        result = await daemon.run()
     except asyncio.CancelledError:
         say("node stopped by signal")
         return 130
+    except Fenced as e:
+        say(f"node fenced: {e}")
+        return 3
+    except CoordinatorUnreachable as e:
+        say(f"node gave up: {e}")
+        return 4
+    if result.left_early:
+        say(f"node {result.node_id[:8]} left the run after a snapshot cut (stages {result.stages})")
+        return 0
     say(f"node {result.node_id[:8]} finished {result.steps} steps on stages {result.stages}")
     if linger_s > 0 and settings.metrics_port >= 0:
-        with contextlib.suppress(asyncio.CancelledError):  # the run is complete: a signal only ends the wait
-            await asyncio.sleep(linger_s)
+        # The run is complete: a signal only ends the wait.
+        with contextlib.suppress(asyncio.CancelledError, TimeoutError):
+            await asyncio.wait_for(daemon.leaving.wait(), linger_s)
     return 0
 
 
@@ -100,7 +139,12 @@ def main(argv: list[str] | None = None) -> int:
         use_dht=not args.no_dht,
         public_dht=args.public_dht,
         name=args.name,
-        connect_timeout=args.connect_timeout,
+        timeouts=dataclasses.replace(
+            Timeouts(),
+            connect_s=args.connect_timeout,
+            step_s=args.step_timeout,
+            coordinator_down_s=args.coordinator_down,
+        ),
     )
     try:
         return uvloop.run(_run(settings, args.linger_s))

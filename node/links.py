@@ -1,8 +1,10 @@
 """Boundary streams between stages: one bidirectional gRPC stream per boundary, either side dialling.
 
 Whichever side opened it, a stream starts with a ``Hello`` each way (protocol version,
-run id, config hash, boundary, stage, the run's stage secret); a mismatch is answered
-with an ``Error`` and the stream closes. After that the stream is symmetric: the
+run id, config hash, boundary, stage, the run's stage secret, the sender's node id and
+plan epoch); a mismatch is answered with an ``Error`` and the stream closes. A Hello from
+another plan epoch, or from a node the plan does not name for that boundary, is refused:
+a replaced node cannot feed frames into the run. After that the stream is symmetric: the
 upstream side sends activation frames and MAPL/RVQ syncs, the downstream side
 gradient frames and syncs. :class:`StageLink` wraps either end (the client call or the
 server context) behind one ``send`` and a reader that hands every message, already
@@ -23,17 +25,12 @@ import grpc
 from swarm._proto.swarm.v1 import stage_pb2, stage_pb2_grpc
 from swarm.codecs.base import PayloadError
 from swarm.metrics import Metrics
+from swarm.transport.channel import DEFAULT_KEEPALIVE, KeepAlive, insecure_channel
 from swarm.transport.frames import PROTOCOL_VERSION, frame_from_message, to_message
 from swarm.transport.shaper import UNSHAPED, LinkProfile, ShapedSender
 from swarm.wire import ActivationFrame, BoundarySync, GradientFrame
 
 log = logging.getLogger(__name__)
-
-MAX_MESSAGE_BYTES = 64 << 20
-GRPC_OPTIONS = [
-    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
-    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-]
 
 Item = ActivationFrame | GradientFrame | BoundarySync
 Deliver = Callable[[Item], None]
@@ -51,6 +48,15 @@ class RunIdentity:
     config_hash: str
     auth_token: str
     node_id: str
+    plan_epoch: int = 0
+
+
+@dataclass(frozen=True)
+class PlannedPeer:
+    """Who the plan puts on the other side of a boundary."""
+
+    stage: int
+    node_id: str
 
 
 def hello(identity: RunIdentity, boundary: int, stage: int) -> stage_pb2.StageMessage:
@@ -63,17 +69,21 @@ def hello(identity: RunIdentity, boundary: int, stage: int) -> stage_pb2.StageMe
             stage=stage,
             auth_token=identity.auth_token,
             node_id=identity.node_id,
+            plan_epoch=identity.plan_epoch,
         )
     )
 
 
 def check_hello(
-    msg: stage_pb2.StageMessage | object, identity: RunIdentity, boundary: int | None, peer_stage_of
+    msg: stage_pb2.StageMessage | object,
+    identity: RunIdentity,
+    boundary: int | None,
+    peer_of: Callable[[int], PlannedPeer | None],
 ) -> tuple[int, str] | None:
     """``None`` if ``msg`` is an acceptable Hello, else ``(ErrorCode, reason)``.
 
-    ``peer_stage_of(boundary)`` gives the stage the peer must host at that boundary
-    (``None`` for a boundary this node does not serve).
+    ``peer_of(boundary)`` gives the stage and node the plan puts on the other side of
+    that boundary (``None`` for a boundary this node does not serve).
     """
     if not isinstance(msg, stage_pb2.StageMessage) or msg.WhichOneof("body") != "hello":
         return stage_pb2.ERROR_CODE_UNEXPECTED_MESSAGE, "the first message of a stream must be a Hello"
@@ -87,10 +97,17 @@ def check_hello(
         return stage_pb2.ERROR_CODE_UNAUTHENTICATED, "bad stage auth token"
     if h.run_id != identity.run_id or h.config_hash != identity.config_hash:
         return stage_pb2.ERROR_CODE_CONFIG_MISMATCH, f"peer is in run {h.run_id} config {h.config_hash[:12]}"
-    if (boundary is not None and h.boundary != boundary) or peer_stage_of(h.boundary) != h.stage:
+    peer = peer_of(h.boundary)
+    if (boundary is not None and h.boundary != boundary) or peer is None or peer.stage != h.stage:
         return (
             stage_pb2.ERROR_CODE_WRONG_BOUNDARY,
             f"boundary {h.boundary} stage {h.stage} is not served here",
+        )
+    if h.plan_epoch != identity.plan_epoch or h.node_id != peer.node_id:
+        return (
+            stage_pb2.ERROR_CODE_PLAN_EPOCH,
+            f"node {h.node_id[:8]} at plan epoch {h.plan_epoch}; this side follows epoch "
+            f"{identity.plan_epoch}, which puts node {peer.node_id[:8]} there",
         )
     return None
 
@@ -247,32 +264,43 @@ def _direction(item: Item) -> str:
     return "backward" if isinstance(item, GradientFrame) else "sync"
 
 
+class _NotYet(Exception):
+    """The peer is not at this plan epoch yet (or already past it): worth another try."""
+
+
 async def dial(
     address: str,
     identity: RunIdentity,
     boundary: int,
     local_stage: int,
-    peer_stage: int,
+    peer: PlannedPeer,
     metrics: Metrics,
     profile: LinkProfile = UNSHAPED,
     timeout: float = 30.0,
+    keepalive: KeepAlive = DEFAULT_KEEPALIVE,
 ) -> tuple[StageLink, grpc.aio.Channel]:
-    """Open the boundary stream to ``address`` and exchange Hellos; retries until ``timeout``."""
+    """Open the boundary stream to ``address`` and exchange Hellos; retries until ``timeout``.
+
+    A peer that is unreachable, or that answers from another plan epoch, is tried again
+    until the deadline; any other refusal is a :class:`LinkError` at once.
+    """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+        channel = insecure_channel(address, keepalive)
         try:
             call = stage_pb2_grpc.StageStub(channel).Exchange()
             await call.write(hello(identity, boundary, local_stage))
             reply = await asyncio.wait_for(call.read(), timeout=max(1.0, deadline - loop.time()))
             if isinstance(reply, stage_pb2.StageMessage) and reply.WhichOneof("body") == "error":
+                if reply.error.code == stage_pb2.ERROR_CODE_PLAN_EPOCH:
+                    raise _NotYet(reply.error.message)
                 item_from_message(reply)  # raises LinkError with the peer's reason
-            problem = check_hello(reply, identity, boundary, lambda b: peer_stage)
+            problem = check_hello(reply, identity, boundary, lambda b: peer)
             if problem is not None:
                 raise LinkError(f"boundary {boundary}: peer at {address} answered badly: {problem[1]}")
             return StageLink(boundary, call.read, call.write, metrics, profile, call.done_writing), channel
-        except (TimeoutError, grpc.aio.AioRpcError) as e:
+        except (TimeoutError, grpc.aio.AioRpcError, _NotYet) as e:
             await channel.close()
             if loop.time() > deadline:
                 raise LinkError(f"boundary {boundary}: could not reach {address}: {e}") from None

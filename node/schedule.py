@@ -7,6 +7,10 @@ reverse order; every stage backpropagates gradients as they arrive. Then neighbo
 exchange boundary state (MAPL gradient shares, RVQ codebook deltas), the optimizer
 steps, and a rotation announced for the next step is waited for and applied.
 
+A step can be marked as a checkpoint cut on the fly: stage 0 sets ``cut`` on the step's
+activation frames and every stage forwards the mark, so all of them know to snapshot
+after that step (used when a node is about to leave).
+
 Compute runs in a worker thread (``asyncio.to_thread``) so the event loop keeps
 streams flowing while a stage is busy. Malformed or stale frames are rejected with a
 counter and an ``Error`` to the peer, never applied.
@@ -15,6 +19,7 @@ counter and an ``Error`` to the peer, never applied.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -32,8 +37,6 @@ from swarm.worker import StageStats, StageWorker
 
 log = logging.getLogger(__name__)
 
-STEP_TIMEOUT_S = 300.0
-
 
 class StageTimeout(RuntimeError):
     """A neighbour stopped sending within the step timeout."""
@@ -47,6 +50,7 @@ class StepOutcome:
     wire_bytes_forward: int
     wire_bytes_backward: int
     seconds: float
+    cut: bool = False  # the step was marked as a checkpoint cut
 
 
 class StageRunner:
@@ -58,7 +62,7 @@ class StageRunner:
         metrics: Metrics,
         batch_for_step: Callable[[int], torch.Tensor] | None = None,
         rotation_ready: Callable[[int], Awaitable[None]] | None = None,
-        timeout: float = STEP_TIMEOUT_S,
+        timeout: float = 300.0,
     ):
         self.worker, self.metrics, self.timeout = worker, metrics, timeout
         self.batch_for_step, self.rotation_ready = batch_for_step, rotation_ready
@@ -116,7 +120,8 @@ class StageRunner:
 
     # -- one step -------------------------------------------------------------------------------
 
-    async def run_step(self, step: int) -> StepOutcome:
+    async def run_step(self, step: int, cut: bool = False) -> StepOutcome:
+        """One optimizer step; ``cut`` (stage 0) marks it as a checkpoint cut for every stage."""
         start = time.perf_counter()
         w, n_micro = self.worker, self.worker.config.train.microbatches
         if self.rotation_ready is not None:
@@ -129,13 +134,14 @@ class StageRunner:
         if w.is_first:
             for mb, ids in enumerate(self.batch_for_step(step).chunk(n_micro)):
                 frame = await asyncio.to_thread(w.forward, step, mb, ids)
-                fwd_wire += await self._send_down(frame)
+                fwd_wire += await self._send_down(frame, cut)
         else:
             for _ in range(n_micro):
                 frame = await self._get(self._activations, "activation", step)
+                cut = cut or frame.cut
                 out = await self._forward(step, frame)
                 if not w.is_last:
-                    fwd_wire += await self._send_down(out)
+                    fwd_wire += await self._send_down(out, cut)
         if w.is_last:
             for mb in reversed(range(n_micro)):
                 grad = await asyncio.to_thread(w.backward, step, mb)
@@ -153,9 +159,10 @@ class StageRunner:
             await self.downstream.send(BoundarySync(step, w.index, codebook_delta=delta))
         seconds = time.perf_counter() - start
         self._observe(step, stats, seconds)
-        return StepOutcome(w.index, step, stats, fwd_wire, bwd_wire, seconds)
+        return StepOutcome(w.index, step, stats, fwd_wire, bwd_wire, seconds, cut)
 
-    async def _send_down(self, frame: ActivationFrame) -> int:
+    async def _send_down(self, frame: ActivationFrame, cut: bool) -> int:
+        frame = dataclasses.replace(frame, cut=cut) if cut else frame
         self._count_dense(self.index, "forward", "sent", frame)
         return await self.downstream.send(frame)
 

@@ -1,18 +1,29 @@
 """The node's gRPC ``Stage`` service: accepts the boundary streams its neighbours dial.
 
-An accepted stream is checked (Hello: protocol, run, config hash, stage secret,
-boundary) and then handed to the daemon as a :class:`~node.links.StageLink`; the
-handler stays alive, reading, until the peer closes the stream or the node stops.
+The service lives as long as the node; what it accepts changes with the plan. Each
+epoch's :class:`~node.link_manager.LinkManager` registers itself as the current
+:class:`Acceptor`; an accepted stream is checked against it (Hello: protocol, run,
+config hash, stage secret, boundary, planned peer node and plan epoch) and then handed
+over as a :class:`~node.links.StageLink`. The handler stays alive, reading, until the
+peer closes the stream, the node stops, or the epoch's links are torn down.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 
-from node.links import RunIdentity, StageLink, check_hello, error_message, hello, rejection_reason
+from node.links import (
+    PlannedPeer,
+    RunIdentity,
+    StageLink,
+    check_hello,
+    error_message,
+    hello,
+    rejection_reason,
+)
 from swarm._proto.swarm.v1 import stage_pb2, stage_pb2_grpc
 from swarm.metrics import Metrics
 from swarm.transport.frames import PROTOCOL_VERSION
@@ -21,28 +32,36 @@ from swarm.transport.shaper import UNSHAPED, LinkProfile
 log = logging.getLogger(__name__)
 
 
+class Acceptor(Protocol):
+    """What one plan epoch accepts: the boundaries where this node is the accepting side."""
+
+    identity: RunIdentity
+    stages: list[int]
+
+    def peer_of(self, boundary: int) -> PlannedPeer | None: ...
+
+    def local_stage(self, boundary: int) -> int: ...
+
+    async def attach(self, boundary: int, link: StageLink) -> None: ...
+
+
+_REFUSE_ALL = stage_pb2.ERROR_CODE_PLAN_EPOCH, "this node follows no plan yet"
+
+
 class StageService(stage_pb2_grpc.StageServicer):
-    """Accepts boundary streams for the boundaries where this node is the accepting side.
+    """Accepts boundary streams for whichever :class:`Acceptor` is current (``None``: refuse all)."""
 
-    ``accepting`` maps boundary -> (local stage, peer stage); ``attach(boundary, link)``
-    gives the daemon the link and returns the coroutine that reads it until it closes.
-    """
-
-    def __init__(
-        self,
-        identity: RunIdentity,
-        accepting: dict[int, tuple[int, int]],
-        attach: Callable[[int, StageLink], object],
-        metrics: Metrics,
-        stages: list[int],
-        profile: LinkProfile = UNSHAPED,
-    ):
-        self.identity, self.accepting, self.attach = identity, accepting, attach
-        self.metrics, self.stages, self.profile = metrics, stages, profile
+    def __init__(self, metrics: Metrics, profile: LinkProfile = UNSHAPED):
+        self.metrics, self.profile = metrics, profile
+        self.acceptor: Acceptor | None = None
+        self.node_id = ""
 
     async def Exchange(self, request_iterator, context: grpc.aio.ServicerContext):
         first = await context.read()
-        problem = check_hello(first, self.identity, None, self._peer_stage)
+        acceptor = self.acceptor
+        problem = _REFUSE_ALL
+        if acceptor is not None:
+            problem = check_hello(first, acceptor.identity, None, acceptor.peer_of)
         if problem is not None:
             code, reason = problem
             self.metrics.rejected.labels(rejection_reason(code)).inc()
@@ -50,19 +69,15 @@ class StageService(stage_pb2_grpc.StageServicer):
             await context.write(error_message(code, reason))
             return
         boundary = first.hello.boundary
-        local_stage, _ = self.accepting[boundary]
-        await context.write(hello(self.identity, boundary, local_stage))
+        await context.write(hello(acceptor.identity, boundary, acceptor.local_stage(boundary)))
         link = StageLink(boundary, context.read, context.write, self.metrics, self.profile)
-        await self.attach(boundary, link)
-
-    def _peer_stage(self, boundary: int) -> int | None:
-        entry = self.accepting.get(boundary)
-        return None if entry is None else entry[1]
+        await acceptor.attach(boundary, link)
 
     async def Ping(self, request: stage_pb2.PingRequest, context) -> stage_pb2.PingReply:
+        acceptor = self.acceptor
         return stage_pb2.PingReply(
             nonce=request.nonce,
             protocol_version=PROTOCOL_VERSION,
-            node_id=self.identity.node_id,
-            stages=self.stages,
+            node_id=self.node_id,
+            stages=acceptor.stages if acceptor is not None else [],
         )

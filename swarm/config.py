@@ -114,6 +114,29 @@ class RotationConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    """Stage snapshots: every stage snapshots after the same steps, so the snapshots form cuts.
+
+    After step ``s`` with ``(s + 1) % interval == 0`` (and after the last step) each stage
+    writes its snapshot and uploads it to the coordinator; a run that loses a node resumes
+    from the latest cut every stage has uploaded. ``keep`` cuts are kept (on nodes and on
+    the coordinator). ``interval = 0`` turns snapshots off: a lost node then restarts the
+    run from step 0.
+    """
+
+    interval: int = 25
+    keep: int = 3
+
+    def __post_init__(self) -> None:
+        if self.interval < 0 or self.keep < 1:
+            raise ValueError(f"checkpoint interval {self.interval} must be >= 0 and keep {self.keep} >= 1")
+
+    def is_cut(self, step: int, steps: int) -> bool:
+        """Whether every stage snapshots after ``step`` (of a run of ``steps`` steps)."""
+        return self.interval > 0 and ((step + 1) % self.interval == 0 or step == steps - 1)
+
+
+@dataclass
 class TrainConfig:
     steps: int = 200
     batch_size: int = 8
@@ -144,6 +167,7 @@ class RunConfig:
     rotation: RotationConfig = field(default_factory=RotationConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     n_stages: int = 2
 
     def __post_init__(self) -> None:
@@ -160,7 +184,7 @@ class RunConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
         sections = {"model": ModelConfig, "codec": CodecConfig, "rotation": RotationConfig}
-        sections |= {"train": TrainConfig, "data": DataConfig}
+        sections |= {"train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:

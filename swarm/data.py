@@ -31,6 +31,8 @@ import tokenizers
 import torch
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
+from swarm.config import RunConfig
+
 CACHE_ENV = "SWARM_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/subspace-swarm")
 DEFAULT_BPE_VOCAB = 4096
@@ -430,3 +432,19 @@ class ValidationBatches:
         b = self.batch_size
         for i in range(self._n_batches):
             yield _gather(self.tokens, self._starts[i * b : (i + 1) * b], self.seq_len)
+
+
+def load_dataset(config: RunConfig, cache_dir: str | Path | None = None) -> TokenDataset:
+    """Tokenise the run's corpus with its tokenizer, checking the vocabulary fits the model."""
+    texts = load_texts(config.data.source)
+    tokenizer = build_tokenizer(config.data.tokenizer, texts, config.model.vocab_size, cache_dir)
+    if tokenizer.vocab_size > config.model.vocab_size:
+        raise ValueError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={config.model.vocab_size}"
+        )
+    return TokenDataset.from_texts(texts, tokenizer, cache_dir)
+
+
+def batch_ids(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Inputs and targets as the ``B x (T+1)`` id matrix that travels with the activations."""
+    return torch.cat([x, y[:, -1:]], dim=1)

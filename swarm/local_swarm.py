@@ -3,7 +3,8 @@
 Every process is real (its own interpreter, gRPC server, DHT peer); only the addresses
 are local. Progress comes from the coordinator's ``Status`` RPC; each process's output
 goes to a log file in the run folder. Ctrl-C (or any failure) stops every process:
-SIGTERM first, SIGKILL for those that do not exit within the grace period.
+SIGINT first (an immediate stop; SIGTERM would make each node leave gracefully after a
+snapshot cut), SIGKILL for those that do not exit within the grace period.
 
 The processes may also run elsewhere, e.g. each in its own network namespace
 (:mod:`bench.netns`): a command prefix per process and the address each binds. A
@@ -91,7 +92,7 @@ class ProcessGroup:
     def stop(self) -> None:
         for p in self.procs:
             if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
+                p.send_signal(signal.SIGINT)
         deadline = time.monotonic() + GRACE_S
         for p in self.procs:
             try:

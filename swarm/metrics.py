@@ -51,6 +51,24 @@ class Metrics:
             registry=r,
         )
         self.nodes_alive = Gauge("swarm_nodes_alive", "Nodes with a recent heartbeat", registry=r)
+        self.plan_epoch = Gauge(
+            "swarm_plan_epoch", "Plan epoch in force (this node's, or the run's)", registry=r
+        )
+        self.epoch_restarts = Counter(
+            "swarm_epoch_restarts", "Times this node rebuilt its stages for a new plan epoch", registry=r
+        )
+        self.phase = Gauge("swarm_node_phase", "Node phase (the NodePhase enum value)", registry=r)
+        self.checkpoint_step = Gauge(
+            "swarm_checkpoint_step", "Last step of the newest stored snapshot (or complete cut)", registry=r
+        )
+        self.checkpoint_bytes = Counter(
+            "swarm_checkpoint_uploaded_bytes", "Snapshot bytes uploaded to the coordinator", registry=r
+        )
+        self.pending_reports = Gauge(
+            "swarm_pending_reports",
+            "Step reports queued for the coordinator, not yet acknowledged",
+            registry=r,
+        )
         self.role = role
 
     def serve(self, port: int, host: str = "127.0.0.1") -> int:

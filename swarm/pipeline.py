@@ -13,8 +13,7 @@ import torch
 
 from swarm.config import RunConfig
 from swarm.mapl import sum_gradients
-from swarm.model import fixed_embedding, name_seed
-from swarm.subspace import SubspaceRotation, next_rotation, random_basis
+from swarm.subspace import SubspaceRotation, initial_artifacts, next_rotation
 from swarm.worker import StageStats, StageWorker
 
 
@@ -34,22 +33,6 @@ class StepResult:
         """Bytes crossing one boundary per token, forward + backward, averaged over boundaries."""
         n = max(1, len(self.bytes_forward))
         return (sum(self.bytes_forward) + sum(self.bytes_backward) + self.bytes_sync) / n / self.tokens
-
-
-def initial_basis(config: RunConfig) -> torch.Tensor | None:
-    """The version-0 subspace basis of a run (None without a subspace), regenerated from its seed."""
-    m = config.model
-    return (
-        random_basis(m.d_model, m.subspace_rank, name_seed(config.train.seed, "basis"))
-        if m.subspace_rank
-        else None
-    )
-
-
-def initial_artifacts(config: RunConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The frozen token embedding and the version-0 basis every stage of a run starts from."""
-    m = config.model
-    return fixed_embedding(m.vocab_size, m.d_model, config.train.seed), initial_basis(config)
 
 
 class LocalPipeline:

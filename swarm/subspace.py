@@ -21,7 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from swarm.codecs.base import PayloadError
-from swarm.model import ResidualWrite, Stage
+from swarm.config import RunConfig
+from swarm.model import ResidualWrite, Stage, fixed_embedding, name_seed
 
 
 def random_basis(d: int, k: int, seed: int) -> torch.Tensor:
@@ -181,3 +182,19 @@ def next_rotation(
     total = torch.stack([s.double().cpu() for s in statistics]).sum(0)
     new_basis = grassmann_step(basis.detach().cpu().double(), total, max_angle)
     return SubspaceRotation(version + 1, effective_step, new_basis)
+
+
+def initial_basis(config: RunConfig) -> torch.Tensor | None:
+    """The version-0 subspace basis of a run (None without a subspace), regenerated from its seed."""
+    m = config.model
+    return (
+        random_basis(m.d_model, m.subspace_rank, name_seed(config.train.seed, "basis"))
+        if m.subspace_rank
+        else None
+    )
+
+
+def initial_artifacts(config: RunConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The frozen token embedding and the version-0 basis every stage of a run starts from."""
+    m = config.model
+    return fixed_embedding(m.vocab_size, m.d_model, config.train.seed), initial_basis(config)

@@ -12,7 +12,7 @@ import torch
 from tqdm import tqdm
 
 from swarm.config import RunConfig, pick_device
-from swarm.data import BatchSampler, TokenDataset, ValidationBatches, build_tokenizer, load_texts
+from swarm.data import BatchSampler, TokenDataset, ValidationBatches, batch_ids, load_dataset
 from swarm.pipeline import LocalPipeline
 
 
@@ -32,22 +32,6 @@ class TrainSummary:
     @property
     def compression(self) -> float:
         return self.dense_bytes_per_token / self.wire_bytes_per_token if self.wire_bytes_per_token else 1.0
-
-
-def load_dataset(config: RunConfig, cache_dir: str | Path | None = None) -> TokenDataset:
-    """Tokenise the run's corpus with its tokenizer, checking the vocabulary fits the model."""
-    texts = load_texts(config.data.source)
-    tokenizer = build_tokenizer(config.data.tokenizer, texts, config.model.vocab_size, cache_dir)
-    if tokenizer.vocab_size > config.model.vocab_size:
-        raise ValueError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={config.model.vocab_size}"
-        )
-    return TokenDataset.from_texts(texts, tokenizer, cache_dir)
-
-
-def batch_ids(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Inputs and targets as the ``B x (T+1)`` id matrix that travels with the activations."""
-    return torch.cat([x, y[:, -1:]], dim=1)
 
 
 @torch.no_grad()

@@ -77,6 +77,7 @@ class ActivationFrame:
     payload: EncodedTensor
     token_ids: bytes
     zstd: bool = False
+    cut: bool = False  # every stage snapshots after this step (a requested checkpoint cut)
 
     @property
     def nbytes(self) -> int:

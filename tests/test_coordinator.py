@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,7 @@ from swarm.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
 from swarm.cli import DEFAULT_RUN
 from swarm.config import RotationConfig, RunConfig, config_hash
 from swarm.metrics import Metrics
-from swarm.pipeline import initial_artifacts
-from swarm.subspace import next_rotation
+from swarm.subspace import initial_artifacts, next_rotation
 from swarm.transport.frames import PROTOCOL_VERSION, rotation_from_proto
 from tests.helpers import tiny_config
 
@@ -77,10 +76,47 @@ class Harness:
         )
         return await self.stub.Join(request, timeout=RPC_TIMEOUT)
 
-    async def heartbeat(self, node_id: str) -> coordinator_pb2.HeartbeatReply:
-        return await self.stub.Heartbeat(
-            coordinator_pb2.HeartbeatRequest(node_id=node_id), timeout=RPC_TIMEOUT
+    async def heartbeat(
+        self, node_id: str, plan_epoch: int = 0, phase: int = coordinator_pb2.NODE_PHASE_UNSPECIFIED
+    ) -> coordinator_pb2.HeartbeatReply:
+        """A heartbeat from a node following ``plan_epoch`` (0: none yet, so the reply carries the plan)."""
+        request = coordinator_pb2.HeartbeatRequest(node_id=node_id, plan_epoch=plan_epoch, phase=phase)
+        return await self.stub.Heartbeat(request, timeout=RPC_TIMEOUT)
+
+    async def step(
+        self, node_id: str, stage: int, step: int, epoch: int, loss: float | None = None
+    ) -> coordinator_pb2.StepAck:
+        request = coordinator_pb2.StepReport(
+            node_id=node_id, stage=stage, step=step, loss=loss, plan_epoch=epoch
         )
+        return await self.stub.ReportStep(request, timeout=RPC_TIMEOUT)
+
+    async def upload(self, chunks: list[coordinator_pb2.ArtifactChunk]) -> coordinator_pb2.UploadReply:
+        return await self.stub.UploadArtifact(iter(chunks), timeout=RPC_TIMEOUT)
+
+    async def held(self, node_id: str, key: str) -> coordinator_pb2.ArtifactStatusReply:
+        request = coordinator_pb2.ArtifactRequest(digest=key, node_id=node_id)
+        return await self.stub.ArtifactStatus(request, timeout=RPC_TIMEOUT)
+
+    async def fetch(self, key: str, offset: int = 0) -> bytes:
+        request = coordinator_pb2.ArtifactRequest(digest=key, offset=offset)
+        return b"".join([c.data async for c in self.stub.FetchArtifact(request, timeout=RPC_TIMEOUT)])
+
+    async def checkpoint(
+        self, node_id: str, epoch: int, stage: int, step: int
+    ) -> tuple[coordinator_pb2.CheckpointAck, coordinator_pb2.StageCheckpoint]:
+        """Upload a stand-in snapshot of ``stage`` after ``step`` in one chunk and report it."""
+        data = f"snapshot of stage {stage} after step {step};".encode() * 64
+        key = digest(data)
+        reply = await self.upload([upload_chunk(node_id, data, 0, len(data))])
+        assert reply.complete and reply.held == len(data)
+        record = coordinator_pb2.StageCheckpoint(stage=stage, step=step, digest=key, size=len(data))
+        request = coordinator_pb2.CheckpointReport(node_id=node_id, plan_epoch=epoch, checkpoint=record)
+        return await self.stub.ReportCheckpoint(request, timeout=RPC_TIMEOUT), record
+
+    async def failure(self, node_id: str, epoch: int) -> coordinator_pb2.FailureAck:
+        request = coordinator_pb2.FailureReport(node_id=node_id, plan_epoch=epoch, reason="boundary broke")
+        return await self.stub.ReportFailure(request, timeout=RPC_TIMEOUT)
 
     async def report(self, request: coordinator_pb2.StatisticsReport) -> coordinator_pb2.StatisticsAck:
         return await self.stub.ReportStatistics(request, timeout=RPC_TIMEOUT)
@@ -104,8 +140,15 @@ async def coordinator(
             await channel.close()
 
 
+async def refused(call: Awaitable[Any]) -> grpc.StatusCode:
+    """The status code of a call that must fail."""
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call
+    return err.value.code()
+
+
 def statistic(
-    node_id: str, stage: int, step: int, stat: torch.Tensor, version: int = 0
+    node_id: str, stage: int, step: int, stat: torch.Tensor, *, epoch: int, version: int = 0
 ) -> coordinator_pb2.StatisticsReport:
     return coordinator_pb2.StatisticsReport(
         node_id=node_id,
@@ -114,6 +157,20 @@ def statistic(
         boundary=stage - 1,
         subspace_version=version,
         gram_times_basis_f64_le=stat.double().contiguous().numpy().astype("<f8").tobytes(),
+        plan_epoch=epoch,
+    )
+
+
+def upload_chunk(
+    node_id: str, data: bytes, offset: int, length: int, key: str | None = None
+) -> coordinator_pb2.ArtifactChunk:
+    """``data[offset : offset + length]`` as one upload chunk of the artifact ``data`` (digest ``key``)."""
+    return coordinator_pb2.ArtifactChunk(
+        node_id=node_id,
+        offset=offset,
+        data=data[offset : offset + length],
+        total_size=len(data),
+        digest=key or digest(data),
     )
 
 
@@ -171,12 +228,18 @@ def test_join_assigns_stages_in_order_then_standby(tmp_path):
             b = await h.join("b", max_stages=1, address="127.0.0.1:7002")
             c = await h.join("c", max_stages=3)
             d = await h.join("d", max_stages=1)
-            assert [list(r.stages) for r in (a, b, c, d)] == [[0, 1], [2], [3], []]
-            assert [r.plan_epoch for r in (a, b, c, d)] == [1, 2, 3, 3]
+            replies = (a, b, c, d)
+            assert [list(r.plan.stages) for r in replies] == [[0, 1], [2], [3], []]
+            assert [r.plan.epoch for r in replies] == [1, 2, 3, 3]  # the standby changed no owner
+            assert all(r.plan.resume_step == 0 and not r.plan.restore for r in replies)
+            assert not any(r.run_complete for r in replies)
             assert len({a.node_id, b.node_id, c.node_id, d.node_id}) == 4
             # At a's join stage 2 had no host yet; a heartbeat brings the filled-in link.
-            assert list(a.links) == [coordinator_pb2.BoundaryLink(boundary=1, local_stage=1)]
-            assert list((await h.heartbeat(a.node_id)).links) == [
+            assert list(a.plan.links) == [coordinator_pb2.BoundaryLink(boundary=1, local_stage=1)]
+            beat = await h.heartbeat(a.node_id, a.plan.epoch)
+            assert beat.known and beat.plan_epoch == beat.plan.epoch == 3
+            assert list(beat.plan.stages) == [0, 1]
+            assert list(beat.plan.links) == [
                 coordinator_pb2.BoundaryLink(
                     boundary=1,
                     local_stage=1,
@@ -185,6 +248,9 @@ def test_join_assigns_stages_in_order_then_standby(tmp_path):
                     role=DIAL,
                 )
             ]
+            # A node that follows the current epoch gets no plan.
+            current = await h.heartbeat(a.node_id, 3, coordinator_pb2.NODE_PHASE_TRAINING)
+            assert current.known and current.plan_epoch == 3 and not current.HasField("plan")
             assert RunConfig.from_dict(json.loads(a.config_json)) == config
             assert a.config_hash == config_hash(config) and a.run_id == h.service.run_id
             embedding = matrix_to_bytes(initial_artifacts(config)[0])
@@ -192,8 +258,16 @@ def test_join_assigns_stages_in_order_then_standby(tmp_path):
             assert a.auth_token and a.auth_token == d.auth_token
             assert list(a.dht_initial_peers) == PEERS and a.heartbeat_interval_ms == 1000
             beat = await h.heartbeat(c.node_id)
-            assert beat.known and beat.plan_epoch == 3 and list(beat.stages) == [3]
-            assert [(link.boundary, link.role) for link in beat.links] == [(2, DIAL)]  # b is reachable, c not
+            assert beat.known and beat.plan_epoch == 3 and list(beat.plan.stages) == [3]
+            links = [(link.boundary, link.role) for link in beat.plan.links]
+            assert links == [(2, DIAL)]  # b is reachable, c not
+            # Heartbeats report each node's phase and epoch.
+            status = await h.status()
+            reported = {n.node_name: (n.phase, n.plan_epoch) for n in status.nodes}
+            assert reported["a"] == (coordinator_pb2.NODE_PHASE_TRAINING, 3)
+            assert reported["b"] == (coordinator_pb2.NODE_PHASE_UNSPECIFIED, 0)  # never beat
+            assert (status.plan_epoch, status.resume_step, status.latest_cut) == (3, 0, 0)
+            assert not status.run_complete and status.epochs_restarted == 0
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 bad = coordinator_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION + 1, token=TOKEN)
                 await h.stub.Join(bad, timeout=RPC_TIMEOUT)
@@ -252,17 +326,20 @@ def test_dead_node_stages_go_to_standby(tmp_path):
             a = await h.join("a", address="127.0.0.1:7001")
             b = await h.join("b")
             standby = await h.join("standby")  # no inbound port: it will dial a
-            assert list(standby.stages) == [] and not standby.links
+            assert list(standby.plan.stages) == [] and not standby.plan.links
             deadline = time.monotonic() + 5
             while True:  # a and the standby keep beating; b has gone silent
-                await h.heartbeat(a.node_id)
-                beat = await h.heartbeat(standby.node_id)
-                if list(beat.stages) == [1]:
+                await h.heartbeat(a.node_id, a.plan.epoch)
+                beat = await h.heartbeat(standby.node_id, standby.plan.epoch)
+                if beat.plan_epoch != standby.plan.epoch:
                     break
+                assert not beat.HasField("plan")
                 assert time.monotonic() < deadline, "stage 1 was never reassigned"
                 await asyncio.sleep(0.1)
-            assert beat.plan_epoch > standby.plan_epoch
-            assert list(beat.links) == [
+            assert beat.plan.epoch == beat.plan_epoch > standby.plan.epoch
+            assert list(beat.plan.stages) == [1]
+            assert beat.plan.resume_step == 0 and not beat.plan.restore  # no checkpoint yet: from the start
+            assert list(beat.plan.links) == [
                 coordinator_pb2.BoundaryLink(
                     boundary=0,
                     local_stage=1,
@@ -271,13 +348,19 @@ def test_dead_node_stages_go_to_standby(tmp_path):
                     role=DIAL,
                 )
             ]
-            assert (await h.heartbeat(b.node_id)).known is False
+            # b is fenced: told it is unknown, and its reports are refused even at the current epoch.
+            assert (await h.heartbeat(b.node_id, beat.plan_epoch)).known is False
+            code = await refused(h.step(b.node_id, 1, 0, beat.plan_epoch))
+            assert code == grpc.StatusCode.PERMISSION_DENIED
+            assert h.rejected("unknown_node") == 2
             assert h.sample("swarm_nodes_alive") == 2
             alive = {n.node_name: n.alive for n in (await h.status()).nodes}
             assert alive == {"a": True, "b": False, "standby": True}
             # Leave releases at once; the next node to join takes the freed stage.
             await h.stub.Leave(coordinator_pb2.LeaveRequest(node_id=a.node_id), timeout=RPC_TIMEOUT)
-            assert list((await h.join("late")).stages) == [0]
+            assert (await h.heartbeat(a.node_id, beat.plan_epoch)).known is False
+            late = await h.join("late")
+            assert list(late.plan.stages) == [0] and late.plan.epoch == (await h.status()).plan_epoch
 
     run(scenario())
 
@@ -286,25 +369,302 @@ def test_step_reports_set_progress_and_loss(tmp_path):
     async def scenario() -> None:
         async with coordinator(tmp_path / "state.sqlite", tiny_config(n_stages=2)) as h:
             a, b = await h.join("a"), await h.join("b")
+            epoch = (await h.status()).plan_epoch
+            assert epoch == b.plan.epoch
             for step in range(3):
                 for node, stage in ((a, 0), (b, 1)):
                     loss = 4.0 - step if stage == 1 else None
-                    request = coordinator_pb2.StepReport(
-                        node_id=node.node_id, stage=stage, step=step, loss=loss
-                    )
-                    await h.stub.ReportStep(request, timeout=RPC_TIMEOUT)
-            await h.stub.ReportStep(
-                coordinator_pb2.StepReport(node_id=a.node_id, stage=0, step=3), timeout=RPC_TIMEOUT
-            )
+                    await h.step(node.node_id, stage, step, epoch, loss)
+            await h.step(a.node_id, 0, 3, epoch)
             status = await h.status()
             assert status.step == 2 and status.run_id == a.run_id and status.config_hash == a.config_hash
+            assert status.steps_completed == 3 and [s.step for s in status.steps] == [0, 1, 2]
+            assert [s.loss for s in status.steps] == [4.0, 3.0, 2.0]
             assert h.sample("swarm_loss") == 2.0
-            with pytest.raises(grpc.aio.AioRpcError) as err:  # a does not host stage 1
-                await h.stub.ReportStep(
-                    coordinator_pb2.StepReport(node_id=a.node_id, stage=1, step=3), timeout=RPC_TIMEOUT
-                )
-            assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
+            code = await refused(h.step(a.node_id, 1, 3, epoch))  # a does not host stage 1
+            assert code == grpc.StatusCode.ABORTED
             assert h.rejected("not_hosting") == 1
+            assert (await h.status()).step == 2
+
+    run(scenario())
+
+
+def test_stale_epoch_reports_are_refused(tmp_path):
+    async def scenario() -> None:
+        async with coordinator(tmp_path / "state.sqlite", tiny_config(n_stages=2)) as h:
+            a, b = await h.join("a"), await h.join("b")
+            old, epoch = a.plan.epoch, b.plan.epoch  # b's join started a new epoch
+            assert old < epoch == (await h.status()).plan_epoch
+            assert await refused(h.step(a.node_id, 0, 0, old)) == grpc.StatusCode.ABORTED
+            assert h.rejected("stale_epoch") == 1
+            await h.step(a.node_id, 0, 0, epoch)
+            await h.step(b.node_id, 1, 0, epoch)
+            assert (await h.status()).steps_completed == 1
+            stat = torch.zeros(h.service.config.model.d_model, h.service.config.model.subspace_rank)
+            ack = await h.report(statistic(b.node_id, 1, 0, stat, epoch=old))
+            assert not ack.accepted and "stale" in ack.reason
+            assert h.rejected("stale_epoch") == 2
+            # A stale cut request is refused; a current one shows in every heartbeat.
+            stale_cut = h.stub.RequestCut(coordinator_pb2.CutRequest(node_id=a.node_id, plan_epoch=old))
+            assert await refused(stale_cut) == grpc.StatusCode.ABORTED
+            assert (await h.heartbeat(b.node_id, epoch)).cut_requests == 0
+            await h.stub.RequestCut(coordinator_pb2.CutRequest(node_id=a.node_id, plan_epoch=epoch))
+            assert (await h.heartbeat(b.node_id, epoch)).cut_requests == 1
+            # A failure of an old epoch is already handled: no new epoch.
+            assert (await h.failure(b.node_id, old)).plan_epoch == epoch
+            assert (await h.status()).plan_epoch == epoch
+            # A failure of the current epoch starts the next; reports of the one before are then stale.
+            assert (await h.failure(b.node_id, epoch)).plan_epoch == epoch + 1
+            assert await refused(h.step(a.node_id, 0, 1, epoch)) == grpc.StatusCode.ABORTED
+            assert h.rejected("stale_epoch") == 4
+            beat = await h.heartbeat(a.node_id, epoch)
+            assert beat.plan.epoch == epoch + 1 and list(beat.plan.stages) == [0]
+            assert beat.plan.resume_step == 0  # no checkpoint cut: the run restarts from step 0
+            status = await h.status()
+            assert status.plan_epoch == epoch + 1 and status.epochs_restarted == 1
+            await h.step(a.node_id, 0, 0, epoch + 1)
+
+    run(scenario())
+
+
+def test_dead_left_and_unknown_nodes_are_denied(tmp_path):
+    async def scenario() -> None:
+        async with coordinator(tmp_path / "state.sqlite", tiny_config(n_stages=2), dead_after_s=0.3) as h:
+            a, b, c = await h.join("a"), await h.join("b"), await h.join("c")
+            await h.stub.Leave(coordinator_pb2.LeaveRequest(node_id=b.node_id), timeout=RPC_TIMEOUT)
+            deadline = time.monotonic() + 5
+            while {n.node_name for n in (await h.status()).nodes if n.alive} != {"a"}:
+                assert time.monotonic() < deadline, "c was never declared dead"
+                await h.heartbeat(a.node_id)  # a stays; c is silent
+                await asyncio.sleep(0.05)
+            epoch = (await h.status()).plan_epoch
+            stat = torch.zeros(h.service.config.model.d_model, h.service.config.model.subspace_rank)
+            blob = b"snapshot" * 100
+            for node_id in (b.node_id, c.node_id, "nobody"):
+                before = h.rejected("unknown_node")
+                assert (await h.heartbeat(node_id, epoch)).known is False
+                record = coordinator_pb2.StageCheckpoint(stage=1, step=0, digest=digest(blob), size=len(blob))
+                calls = [
+                    h.step(node_id, 1, 0, epoch),
+                    h.upload([upload_chunk(node_id, blob, 0, len(blob))]),
+                    h.held(node_id, digest(blob)),
+                    h.stub.ReportCheckpoint(
+                        coordinator_pb2.CheckpointReport(
+                            node_id=node_id, plan_epoch=epoch, checkpoint=record
+                        ),
+                        timeout=RPC_TIMEOUT,
+                    ),
+                    h.failure(node_id, epoch),
+                    h.stub.RequestCut(coordinator_pb2.CutRequest(node_id=node_id, plan_epoch=epoch)),
+                ]
+                for call in calls:
+                    assert await refused(call) == grpc.StatusCode.PERMISSION_DENIED
+                ack = await h.report(statistic(node_id, 1, 1, stat, epoch=epoch))
+                assert not ack.accepted and "not in the run" in ack.reason
+                assert h.rejected("unknown_node") == before + 8
+            # Nothing of theirs was stored, and the plan did not move.
+            assert not (await h.held(a.node_id, digest(blob))).held
+            assert (await h.status()).plan_epoch == epoch and h.service.cut_requests == 0
+
+    run(scenario())
+
+
+def test_upload_resumes_from_held_and_rejects_bad_chunks(tmp_path):
+    async def scenario() -> None:
+        async with coordinator(tmp_path / "state.sqlite", tiny_config(n_stages=2)) as h:
+            node = (await h.join("a")).node_id
+            blob = bytes(range(256)) * 20
+            key = digest(blob)
+
+            def chunk(offset: int, length: int) -> coordinator_pb2.ArtifactChunk:
+                return upload_chunk(node, blob, offset, length)
+
+            async def held() -> tuple[int, bool]:
+                reply = await h.held(node, key)
+                return reply.held, reply.complete
+
+            assert await held() == (0, False)
+            reply = await h.upload([chunk(0, 1000), chunk(1000, 1000)])
+            assert (reply.held, reply.complete) == (2000, False)
+            assert await held() == (2000, False)
+            # A chunk that does not start where the stored part ends is refused; the part is kept.
+            for offset in (0, 1000, 2001):
+                code = await refused(h.upload([chunk(offset, 100)]))
+                assert code == grpc.StatusCode.FAILED_PRECONDITION
+            assert h.rejected("bad_upload") == 3 and await held() == (2000, False)
+            # Chunks before a bad one in the same upload are kept.
+            code = await refused(h.upload([chunk(2000, 500), chunk(3000, 100)]))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION and await held() == (2500, False)
+            # One upload carries one artifact, and nothing past its declared size.
+            other = upload_chunk(node, b"x" * 10, 0, 10)
+            assert await refused(h.upload([chunk(2500, 100), other])) == grpc.StatusCode.FAILED_PRECONDITION
+            past = coordinator_pb2.ArtifactChunk(
+                node_id=node, offset=2600, data=blob[2600:], total_size=3000, digest=key
+            )
+            assert await refused(h.upload([past])) == grpc.StatusCode.FAILED_PRECONDITION
+            assert await held() == (2600, False)
+            # Resume where the coordinator's copy ends.
+            start = (await h.held(node, key)).held
+            rest = [chunk(offset, 1000) for offset in range(start, len(blob), 1000)]
+            reply = await h.upload(rest)
+            assert (reply.held, reply.complete) == (len(blob), True)
+            assert await held() == (len(blob), True)
+            assert await h.fetch(key) == blob
+            assert (await h.upload([chunk(0, len(blob))])).complete  # already stored: nothing to do
+            # Bytes that do not hash to the digest are discarded once complete.
+            wrong = digest(b"something else")
+            chunks = [
+                upload_chunk(node, blob, offset, 2000, key=wrong) for offset in range(0, len(blob), 2000)
+            ]
+            code = await refused(h.upload(chunks))
+            assert code == grpc.StatusCode.FAILED_PRECONDITION
+            reply = await h.held(node, wrong)
+            assert (reply.held, reply.complete) == (0, False)
+            assert await refused(h.fetch(wrong)) == grpc.StatusCode.NOT_FOUND
+            # A malformed digest.
+            assert await refused(h.held(node, "not-a-digest")) == grpc.StatusCode.INVALID_ARGUMENT
+            bad_key = upload_chunk(node, blob, 0, 10, key="not-a-digest")
+            assert await refused(h.upload([bad_key])) == grpc.StatusCode.INVALID_ARGUMENT
+
+    run(scenario())
+
+
+def test_checkpoints_form_cuts_and_a_new_epoch_restores_from_the_latest(tmp_path):
+    state = tmp_path / "state.sqlite"
+    config = tiny_config(n_stages=2)
+
+    async def first_life() -> tuple[str, str, int, list[coordinator_pb2.StageCheckpoint]]:
+        async with coordinator(state, config) as h:
+            a, b = await h.join("a"), await h.join("b")
+            epoch = b.plan.epoch
+            hosts = {0: a.node_id, 1: b.node_id}
+            for step in range(7):
+                for stage, node_id in hosts.items():
+                    await h.step(node_id, stage, step, epoch)
+            ack, first = await h.checkpoint(a.node_id, epoch, 0, 4)
+            assert ack.latest_cut == 0  # stage 1 has no snapshot after step 4 yet
+            ack, second = await h.checkpoint(b.node_id, epoch, 1, 4)
+            assert ack.latest_cut == 5 and (await h.status()).latest_cut == 5
+            assert h.sample("swarm_checkpoint_step") == 4
+            # Refused: a snapshot that was never uploaded, a wrong size, a stage the node does not host.
+            for record, code in [
+                (
+                    coordinator_pb2.StageCheckpoint(stage=0, step=9, digest=digest(b"never"), size=5),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                ),
+                (
+                    coordinator_pb2.StageCheckpoint(
+                        stage=0, step=9, digest=first.digest, size=first.size + 1
+                    ),
+                    grpc.StatusCode.INVALID_ARGUMENT,
+                ),
+                (
+                    coordinator_pb2.StageCheckpoint(stage=1, step=9, digest=first.digest, size=first.size),
+                    grpc.StatusCode.ABORTED,
+                ),
+            ]:
+                report = coordinator_pb2.CheckpointReport(
+                    node_id=a.node_id, plan_epoch=epoch, checkpoint=record
+                )
+                assert await refused(h.stub.ReportCheckpoint(report, timeout=RPC_TIMEOUT)) == code
+            assert (h.rejected("malformed"), h.rejected("not_hosting")) == (2, 1)
+            # Stage 0 snapshots after step 6, then the boundary breaks before stage 1 does.
+            ack, partial = await h.checkpoint(a.node_id, epoch, 0, 6)
+            assert ack.latest_cut == 5
+            assert (await h.failure(b.node_id, epoch)).plan_epoch == epoch + 1
+            status = await h.status()
+            assert (status.plan_epoch, status.resume_step, status.latest_cut) == (epoch + 1, 5, 5)
+            assert status.epochs_restarted == 1
+            restores = []
+            for stage, node_id in hosts.items():
+                beat = await h.heartbeat(node_id, epoch)
+                assert beat.plan.epoch == epoch + 1 and beat.plan.resume_step == 5
+                assert list(beat.plan.restore) == [(first, second)[stage]]
+                restores.append(beat.plan.restore[0])
+            for record in restores:
+                assert digest(await h.fetch(record.digest)) == record.digest
+            # The snapshot past the cut belongs to steps that will be redone: dropped with its artifact.
+            assert await refused(h.fetch(partial.digest)) == grpc.StatusCode.NOT_FOUND
+            assert (await h.held(a.node_id, partial.digest)).held == 0
+            # A standby learns the resume step but restores nothing.
+            standby = await h.join("standby")
+            assert standby.plan.resume_step == 5 and not standby.plan.restore and not standby.plan.stages
+            return a.node_id, b.node_id, epoch + 1, restores
+
+    async def second_life(a: str, b: str, epoch: int, restores: list) -> None:
+        async with coordinator(state, config) as h:
+            status = await h.status()
+            assert (status.plan_epoch, status.resume_step, status.latest_cut) == (epoch, 5, 5)
+            assert status.epochs_restarted == 1
+            for stage, node_id in enumerate((a, b)):
+                beat = await h.heartbeat(node_id)
+                assert (
+                    beat.known and beat.plan.epoch == epoch and list(beat.plan.restore) == [restores[stage]]
+                )
+
+    run(second_life(*run(first_life())))
+
+
+def test_corrupt_snapshot_falls_back_to_the_previous_cut(tmp_path):
+    state = tmp_path / "state.sqlite"
+
+    async def scenario() -> None:
+        async with coordinator(state, tiny_config(n_stages=2)) as h:
+            a, b = await h.join("a"), await h.join("b")
+            epoch = b.plan.epoch
+            hosts = {0: a.node_id, 1: b.node_id}
+            cuts = {
+                step: [
+                    (await h.checkpoint(node_id, epoch, stage, step))[1] for stage, node_id in hosts.items()
+                ]
+                for step in (1, 3)
+            }
+            assert (await h.status()).latest_cut == 4
+            stored = state.with_name(state.name + ".artifacts") / f"{cuts[3][1].digest}.bin"
+            assert stored.read_bytes() and digest(stored.read_bytes()) == cuts[3][1].digest
+            stored.write_bytes(b"\0" + stored.read_bytes()[1:])  # bit rot in stage 1's newest snapshot
+            assert (await h.failure(a.node_id, epoch)).plan_epoch == epoch + 1
+            status = await h.status()
+            assert (status.resume_step, status.latest_cut) == (2, 2)
+            assert h.rejected("corrupt_snapshot") == 1
+            for stage, node_id in hosts.items():
+                beat = await h.heartbeat(node_id, epoch)
+                assert beat.plan.resume_step == 2 and list(beat.plan.restore) == [cuts[1][stage]]
+            assert not stored.exists()
+            for record in cuts[3]:  # the whole broken cut is gone
+                assert await refused(h.fetch(record.digest)) == grpc.StatusCode.NOT_FOUND
+            # With every cut broken, the next epoch starts over from the initial weights.
+            for record in cuts[1]:
+                path = stored.with_name(f"{record.digest}.bin")
+                path.write_bytes(path.read_bytes()[::-1])
+            assert (await h.failure(a.node_id, epoch + 1)).plan_epoch == epoch + 2
+            status = await h.status()
+            assert (status.resume_step, status.latest_cut) == (0, 0)
+            beat = await h.heartbeat(b.node_id, epoch + 1)
+            assert beat.plan.resume_step == 0 and not beat.plan.restore and list(beat.plan.stages) == [1]
+            assert h.rejected("corrupt_snapshot") == 3
+
+    run(scenario())
+
+
+def test_run_complete_stops_replanning(tmp_path):
+    async def scenario() -> None:
+        async with coordinator(tmp_path / "state.sqlite", tiny_config(n_stages=2, steps=3)) as h:
+            a, b = await h.join("a"), await h.join("b")
+            epoch = b.plan.epoch
+            for step in range(3):
+                await h.step(a.node_id, 0, step, epoch)
+                assert not (await h.status()).run_complete
+                await h.step(b.node_id, 1, step, epoch)
+            assert (await h.status()).run_complete
+            beat = await h.heartbeat(a.node_id, epoch)
+            assert beat.run_complete and not beat.HasField("plan")
+            # Membership changes and failures no longer start epochs.
+            assert (await h.failure(a.node_id, epoch)).plan_epoch == epoch
+            await h.stub.Leave(coordinator_pb2.LeaveRequest(node_id=b.node_id), timeout=RPC_TIMEOUT)
+            late = await h.join("late")
+            assert late.run_complete and not late.plan.stages and late.plan.epoch == epoch
+            assert (await h.status()).plan_epoch == epoch
 
     run(scenario())
 
@@ -318,25 +678,30 @@ def test_rotation_from_reports_matches_reference_and_streams(tmp_path):
     async def scenario() -> None:
         async with coordinator(tmp_path / "state.sqlite", config) as h:
             nodes = [await h.join(f"n{i}") for i in range(4)]
+            epoch = nodes[-1].plan.epoch
             watch = h.stub.WatchRotations(coordinator_pb2.WatchRotationsRequest(after_version=0))
             first = asyncio.ensure_future(watch.read())
-            ack = await h.report(statistic(nodes[1].node_id, 1, 0, stats[0]))
+            ack = await h.report(statistic(nodes[1].node_id, 1, 0, stats[0], epoch=epoch))
             assert not ack.accepted and "rotation step" in ack.reason  # step 0 is not (0 + 1) % 2 == 0
-            bad = statistic(nodes[1].node_id, 1, 1, stats[0][:, :-1])
+            bad = statistic(nodes[1].node_id, 1, 1, stats[0][:, :-1], epoch=epoch)
             assert not (await h.report(bad)).accepted
-            wrong_host = await h.report(statistic(nodes[0].node_id, 1, 1, stats[0]))
+            wrong_host = await h.report(statistic(nodes[0].node_id, 1, 1, stats[0], epoch=epoch))
             assert not wrong_host.accepted
+            # A statistic from an older epoch is not summed in (it would change the rotation).
+            stale = await h.report(statistic(nodes[1].node_id, 1, 1, 100 * stats[0], epoch=epoch - 1))
+            assert not stale.accepted
             for stage in (3, 1, 2):  # out of order: the sum must still run in boundary order
-                ack = await h.report(statistic(nodes[stage].node_id, stage, 1, stats[stage - 1]))
+                ack = await h.report(statistic(nodes[stage].node_id, stage, 1, stats[stage - 1], epoch=epoch))
                 assert ack.accepted, ack.reason
             rotation = rotation_from_proto(await asyncio.wait_for(first, 5))
             expected = next_rotation(initial_artifacts(config)[1], stats, 0, 2, config.rotation.max_angle)
             assert (rotation.version, rotation.effective_step) == (1, 2)
             assert torch.equal(rotation.basis, expected.basis) and rotation.digest == expected.digest
-            stale = await h.report(statistic(nodes[1].node_id, 1, 3, stats[0], version=0))
+            stale = await h.report(statistic(nodes[1].node_id, 1, 3, stats[0], epoch=epoch, version=0))
             assert not stale.accepted and "version" in stale.reason
             assert h.rejected("stale_version") == 1 and h.rejected("malformed") == 1
             assert h.rejected("not_hosting") == 1 and h.rejected("bad_step") == 1
+            assert h.rejected("stale_epoch") == 1
             assert (await h.status()).subspace_version == 1
             assert (await h.heartbeat(nodes[0].node_id)).subspace_version == 1
             assert h.sample("swarm_subspace_version") == 1
@@ -353,7 +718,7 @@ def test_restart_resumes_run_secret_nodes_and_rotations(tmp_path):
     async def first_life() -> tuple[coordinator_pb2.JoinReply, coordinator_pb2.JoinReply]:
         async with coordinator(state, config) as h:
             a, b = await h.join("a"), await h.join("b")
-            assert (await h.report(statistic(b.node_id, 1, 0, stat))).accepted
+            assert (await h.report(statistic(b.node_id, 1, 0, stat, epoch=b.plan.epoch))).accepted
             # A watcher still open when the server stops: its stream ends cleanly.
             watch = h.stub.WatchRotations(coordinator_pb2.WatchRotationsRequest(after_version=0))
             assert (await watch.read()).version == 1
@@ -367,14 +732,16 @@ def test_restart_resumes_run_secret_nodes_and_rotations(tmp_path):
             assert (await h.heartbeat(a.node_id)).known and (await h.heartbeat(b.node_id)).known
             late = await h.join("late")
             assert (late.run_id, late.auth_token, late.subspace_version) == (a.run_id, a.auth_token, 1)
-            assert list(late.stages) == [] and late.plan_epoch == b.plan_epoch
+            assert list(late.plan.stages) == [] and late.plan.epoch == b.plan.epoch
+            assert (await h.status()).plan_epoch == b.plan.epoch
             replay = h.stub.WatchRotations(coordinator_pb2.WatchRotationsRequest(after_version=0))
             rotation = rotation_from_proto(await asyncio.wait_for(replay.read(), 5))
             expected = next_rotation(initial_artifacts(config)[1], [stat], 0, 1, config.rotation.max_angle)
             assert rotation.digest == expected.digest
             replay.cancel()
             # The next rotation starts from the resumed basis.
-            assert (await h.report(statistic(b.node_id, 1, 1, stat, version=1))).accepted
+            report = statistic(b.node_id, 1, 1, stat, epoch=b.plan.epoch, version=1)
+            assert (await h.report(report)).accepted
             assert h.service.rotation.version == 2
 
     a, b = run(first_life())

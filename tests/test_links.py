@@ -5,14 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import grpc
 import pytest
 import torch
 
-from node.links import GRPC_OPTIONS, LinkError, RunIdentity, StageLink, dial, hello
+from node.links import LinkError, PlannedPeer, RunIdentity, StageLink, dial, hello
 from node.schedule import StageRunner
 from node.stage_service import StageService
 from swarm._proto.swarm.v1 import common_pb2, stage_pb2, stage_pb2_grpc
@@ -20,14 +20,17 @@ from swarm.codecs.base import StaleVersionError
 from swarm.config import config_hash
 from swarm.metrics import Metrics
 from swarm.pipeline import LocalPipeline
+from swarm.transport.channel import insecure_channel, server_options
 from swarm.transport.frames import to_message
 from swarm.wire import ActivationFrame
 from tests.helpers import random_batch, tiny_config
 
 CONFIG = tiny_config(n_stages=2)
-SERVER = RunIdentity("run-1", config_hash(CONFIG), "stage-secret", "node-down")
-CLIENT = RunIdentity("run-1", config_hash(CONFIG), "stage-secret", "node-up")
-ACCEPTING = {0: (1, 0)}  # boundary 0: this server hosts stage 1, the dialler stage 0
+EPOCH = 3
+SERVER = RunIdentity("run-1", config_hash(CONFIG), "stage-secret", "node-down", EPOCH)
+CLIENT = RunIdentity("run-1", config_hash(CONFIG), "stage-secret", "node-up", EPOCH)
+UP_PEER = PlannedPeer(0, CLIENT.node_id)  # what the server's plan puts upstream of boundary 0
+DOWN_PEER = PlannedPeer(1, SERVER.node_id)  # what the dialler's plan puts downstream of boundary 0
 Attach = Callable[[int, StageLink], Awaitable[None]]
 
 
@@ -46,21 +49,43 @@ def rejections(metrics: Metrics) -> dict[str, float]:
 
 
 @dataclass
+class Acceptor:
+    """One plan epoch's accepting side: boundary 0, this node hosting stage 1, ``UP_PEER`` dialling."""
+
+    attach_to: Attach
+    identity: RunIdentity = SERVER
+    stages: list[int] = field(default_factory=lambda: [1])
+
+    def peer_of(self, boundary: int) -> PlannedPeer | None:
+        return UP_PEER if boundary == 0 else None
+
+    def local_stage(self, boundary: int) -> int:
+        assert boundary == 0
+        return 1
+
+    async def attach(self, boundary: int, link: StageLink) -> None:
+        await self.attach_to(boundary, link)
+
+
+@dataclass
 class Server:
     address: str
     metrics: Metrics
+    service: StageService
 
 
 @contextlib.asynccontextmanager
 async def stage_server(attach: Attach) -> AsyncIterator[Server]:
     """A ``StageService`` accepting boundary 0 for stage 1 on 127.0.0.1, on a free port."""
     metrics = Metrics("node")
-    server = grpc.aio.server(options=GRPC_OPTIONS)
-    stage_pb2_grpc.add_StageServicer_to_server(StageService(SERVER, ACCEPTING, attach, metrics, [1]), server)
+    service = StageService(metrics)
+    service.acceptor, service.node_id = Acceptor(attach), SERVER.node_id
+    server = grpc.aio.server(options=server_options())
+    stage_pb2_grpc.add_StageServicer_to_server(service, server)
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        yield Server(f"127.0.0.1:{port}", metrics)
+        yield Server(f"127.0.0.1:{port}", metrics, service)
     finally:
         await server.stop(grace=None)
 
@@ -82,9 +107,102 @@ def test_bad_hello_is_refused_and_counted(identity: RunIdentity, boundary: int, 
     async def main() -> None:
         async with stage_server(refuse_all) as server:
             with pytest.raises(LinkError, match=f"ERROR_CODE_{code}"):
-                await dial(server.address, identity, boundary, 0, 1, Metrics("node"), timeout=5)
+                await dial(server.address, identity, boundary, 0, DOWN_PEER, Metrics("node"), timeout=5)
             assert rejected(server.metrics, reason) == 1
             assert rejections(server.metrics) == {reason: 1.0}
+
+    run(main())
+
+
+async def read_error(call: grpc.aio.StreamStreamCall) -> stage_pb2.Error:
+    reply = await asyncio.wait_for(call.read(), 5)
+    assert reply.WhichOneof("body") == "error", reply
+    return reply.error
+
+
+async def hold(boundary: int, link: StageLink) -> None:
+    """Accept and read the stream until the peer closes it."""
+    await link.pump(lambda item: None, lambda error: None)
+
+
+@pytest.mark.parametrize(
+    "identity",
+    [
+        replace(CLIENT, plan_epoch=EPOCH - 1),
+        replace(CLIENT, plan_epoch=EPOCH + 1),
+        replace(CLIENT, node_id="node-replaced"),  # right epoch, but not the node the plan names
+    ],
+    ids=["older_epoch", "newer_epoch", "unplanned_node"],
+)
+def test_hello_from_another_epoch_or_unplanned_node_is_refused(identity: RunIdentity):
+    async def main() -> None:
+        async with stage_server(refuse_all) as server:
+            channel = insecure_channel(server.address)
+            try:
+                call = stage_pb2_grpc.StageStub(channel).Exchange()
+                await call.write(hello(identity, 0, 0))
+                error = await read_error(call)
+                assert error.code == stage_pb2.ERROR_CODE_PLAN_EPOCH, error
+                assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF  # and the stream closes
+            finally:
+                await channel.close()
+            assert rejections(server.metrics) == {"plan_epoch": 1.0}
+
+    run(main())
+
+
+def test_service_without_a_plan_refuses_every_stream():
+    async def main() -> None:
+        async with stage_server(refuse_all) as server:
+            server.service.acceptor = None  # between epochs, or before the first plan
+            channel = insecure_channel(server.address)
+            try:
+                stub = stage_pb2_grpc.StageStub(channel)
+                call = stub.Exchange()
+                await call.write(hello(CLIENT, 0, 0))
+                assert (await read_error(call)).code == stage_pb2.ERROR_CODE_PLAN_EPOCH
+                pong = await stub.Ping(stage_pb2.PingRequest(nonce=1), timeout=5)
+                assert list(pong.stages) == [] and pong.node_id == SERVER.node_id
+            finally:
+                await channel.close()
+            assert rejections(server.metrics) == {"plan_epoch": 1.0}
+
+    run(main())
+
+
+def test_dial_waits_for_the_peer_to_reach_its_epoch():
+    """A peer still at another epoch is retried (not a hard failure) until it catches up or time runs out."""
+    ahead = replace(CLIENT, plan_epoch=EPOCH + 1)
+
+    async def main() -> None:
+        async with stage_server(hold) as server:
+            with pytest.raises(LinkError, match="could not reach"):
+                await dial(server.address, ahead, 0, 0, DOWN_PEER, Metrics("node"), timeout=0.5)
+            refused = rejected(server.metrics, "plan_epoch")
+            assert refused >= 1
+
+            async def catch_up() -> None:
+                await asyncio.sleep(0.5)
+                server.service.acceptor = Acceptor(hold, identity=replace(SERVER, plan_epoch=EPOCH + 1))
+
+            mover = asyncio.create_task(catch_up())
+            link, channel = await dial(server.address, ahead, 0, 0, DOWN_PEER, Metrics("node"), timeout=10)
+            await mover
+            try:
+                assert rejected(server.metrics, "plan_epoch") > refused  # refused until it moved on
+                assert isinstance(link, StageLink) and link.boundary == 0
+            finally:
+                await channel.close()
+
+    run(main())
+
+
+def test_dialler_refuses_a_peer_the_plan_does_not_name():
+    async def main() -> None:
+        async with stage_server(hold) as server:
+            impostor = PlannedPeer(1, "node-other")  # the dialler's plan names another node downstream
+            with pytest.raises(LinkError, match="answered badly"):
+                await dial(server.address, CLIENT, 0, 0, impostor, Metrics("node"), timeout=5)
 
     run(main())
 
@@ -109,7 +227,7 @@ async def connected_pair(workers: list) -> AsyncIterator[Pair]:
         await link.pump(down.deliver_from_upstream, down.fail)
 
     async with stage_server(attach) as server:
-        link, channel = await dial(server.address, CLIENT, 0, 0, 1, up.metrics, timeout=5)
+        link, channel = await dial(server.address, CLIENT, 0, 0, DOWN_PEER, up.metrics, timeout=5)
         up.downstream = link
         reader = asyncio.create_task(link.pump(up.deliver_from_downstream, up.fail))
         try:
@@ -156,12 +274,6 @@ def test_stale_subspace_version_is_rejected_on_both_sides():
     run(main())
 
 
-async def read_error(call: grpc.aio.StreamStreamCall) -> stage_pb2.Error:
-    reply = await asyncio.wait_for(call.read(), 5)
-    assert reply.WhichOneof("body") == "error", reply
-    return reply.error
-
-
 def test_malformed_messages_are_answered_counted_and_survived():
     frame = LocalPipeline(CONFIG).workers[0].forward(0, 0, random_batch(CONFIG)[:2])
     delivered: list[object] = []
@@ -172,7 +284,7 @@ def test_malformed_messages_are_answered_counted_and_survived():
 
     async def main() -> None:
         async with stage_server(attach) as server:
-            channel = grpc.aio.insecure_channel(server.address, options=GRPC_OPTIONS)
+            channel = insecure_channel(server.address)
             try:
                 stub = stage_pb2_grpc.StageStub(channel)
                 call = stub.Exchange()
@@ -197,7 +309,7 @@ def test_malformed_messages_are_answered_counted_and_survived():
                     await asyncio.sleep(0.05)
                 assert delivered == [frame] and isinstance(delivered[0], ActivationFrame)
                 pong = await stub.Ping(stage_pb2.PingRequest(nonce=7), timeout=5)
-                assert pong.nonce == 7 and list(pong.stages) == [1]
+                assert pong.nonce == 7 and list(pong.stages) == [1] and pong.node_id == SERVER.node_id
 
                 await call.done_writing()
                 for _ in range(100):

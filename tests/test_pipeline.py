@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from swarm.model import Stage
-from swarm.pipeline import LocalPipeline, initial_artifacts
+from swarm.pipeline import LocalPipeline
+from swarm.subspace import initial_artifacts
 from tests.helpers import random_batch, tiny_config
 
 

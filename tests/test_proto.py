@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import subprocess
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 import torch
+from google.protobuf import descriptor_pb2
 
 from swarm._proto.swarm.v1 import common_pb2, coordinator_pb2, stage_pb2, stage_pb2_grpc
 from swarm.codecs.base import EncodedTensor, PayloadError
@@ -76,7 +78,9 @@ def test_check_detects_a_modified_proto(tmp_path: Path) -> None:
     proto = tmp_path / "proto"
     shutil.copytree(ROOT / "proto", proto)
     common = proto / "swarm" / "v1" / "common.proto"
-    common.write_text(common.read_text().replace("bool zstd = 8;", "bool zstd = 8;\n  uint32 extra = 9;"))
+    text = common.read_text()
+    assert "bool zstd = 8;" in text
+    common.write_text(text.replace("bool zstd = 8;", "bool zstd = 8;\n  uint32 extra = 99;"))
     out = tmp_path / "out"
     assert gen_proto("--proto-dir", str(proto), "--out-dir", str(out)).returncode == 0
     result = gen_proto("--check", "--out-dir", str(out))
@@ -86,8 +90,19 @@ def test_check_detects_a_modified_proto(tmp_path: Path) -> None:
     assert "stage_pb2.py" not in result.stderr
 
 
+def fields(message: type) -> dict[str, int]:
+    """Field name -> number of a generated message class."""
+    return {f.name: f.number for f in message.DESCRIPTOR.fields}
+
+
+def reserved(message: type) -> set[int]:
+    proto = descriptor_pb2.DescriptorProto()
+    message.DESCRIPTOR.CopyToProto(proto)
+    return {n for r in proto.reserved_range for n in range(r.start, r.end)}
+
+
 def test_schema() -> None:
-    assert PROTOCOL_VERSION == 1
+    assert PROTOCOL_VERSION == 2 == common_pb2.PROTOCOL_VERSION_CURRENT
     services = {s.name: [m.name for m in s.methods] for s in stage_pb2.DESCRIPTOR.services_by_name.values()}
     assert services == {"Stage": ["Exchange", "Ping"]}
     coordinator = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
@@ -101,9 +116,57 @@ def test_schema() -> None:
         "ReportStatistics",
         "ReportStep",
         "Status",
+        "UploadArtifact",
+        "ArtifactStatus",
+        "ReportCheckpoint",
+        "ReportFailure",
+        "RequestCut",
     ]
+    methods = coordinator.methods_by_name
+    upload = methods["UploadArtifact"]
+    assert upload.client_streaming and not upload.server_streaming
+    assert upload.input_type.name == "ArtifactChunk" and upload.output_type.name == "UploadReply"
+    assert methods["ArtifactStatus"].input_type.name == "ArtifactRequest"
     body = stage_pb2.StageMessage.DESCRIPTOR.oneofs_by_name["body"]
     assert [f.name for f in body.fields] == ["hello", "activation", "gradient", "sync", "error"]
+
+
+def test_plan_schema() -> None:
+    """Plans and epochs (protocol 2): the plan moved into ``Plan``; its old JoinReply numbers stay retired."""
+    assert fields(coordinator_pb2.Plan) == {
+        "epoch": 1,
+        "stages": 2,
+        "links": 3,
+        "resume_step": 4,
+        "restore": 5,
+    }
+    join = fields(coordinator_pb2.JoinReply)
+    assert join["plan"] == 14 and join["run_complete"] == 15
+    assert not {"stages", "links", "plan_epoch"} & join.keys()
+    assert reserved(coordinator_pb2.JoinReply) == {5, 9, 10}
+    beat = fields(coordinator_pb2.HeartbeatReply)
+    assert (beat["plan"], beat["run_complete"], beat["cut_requests"]) == (6, 7, 8)
+    assert not {"stages", "links"} & beat.keys() and reserved(coordinator_pb2.HeartbeatReply) == {3, 4}
+    request = fields(coordinator_pb2.HeartbeatRequest)
+    assert (request["phase"], request["plan_epoch"]) == (3, 4)
+    assert fields(coordinator_pb2.StepReport)["plan_epoch"] == 9
+    assert fields(coordinator_pb2.StatisticsReport)["plan_epoch"] == 10
+    assert fields(coordinator_pb2.ArtifactChunk)["node_id"] == 5
+    assert fields(coordinator_pb2.ArtifactRequest)["node_id"] == 3
+    assert fields(stage_pb2.Hello)["plan_epoch"] == 8
+    assert fields(common_pb2.ActivationFrame)["cut"] == 9
+    assert stage_pb2.ERROR_CODE_PLAN_EPOCH == 10
+    phases = coordinator_pb2.NodePhase.keys()
+    assert phases == [
+        "NODE_PHASE_UNSPECIFIED",
+        "NODE_PHASE_JOINING",
+        "NODE_PHASE_FETCHING",
+        "NODE_PHASE_LOADING",
+        "NODE_PHASE_READY",
+        "NODE_PHASE_TRAINING",
+        "NODE_PHASE_WAITING",
+        "NODE_PHASE_LEAVING",
+    ]
 
 
 # -- (b) frame round trips -----------------------------------------------------------------------
@@ -113,6 +176,12 @@ def test_schema() -> None:
 def test_activation_round_trip_is_exact(zstd: bool) -> None:
     frame = typical_activation(zstd)
     assert round_trip(frame) == frame
+
+
+def test_cut_mark_round_trips() -> None:
+    frame = dataclasses.replace(typical_activation(), cut=True)
+    assert round_trip(frame) == frame and round_trip(frame).cut
+    assert to_message(frame).activation.cut and not to_message(typical_activation()).activation.cut
 
 
 def test_gradient_round_trip_is_exact() -> None:

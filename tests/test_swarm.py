@@ -11,10 +11,9 @@ import pytest
 
 from swarm.artifacts import ArtifactCache
 from swarm.config import MODEL_PRESETS, CodecConfig, RotationConfig, RunConfig, TrainConfig
-from swarm.data import BatchSampler
+from swarm.data import BatchSampler, batch_ids, load_dataset
 from swarm.local_swarm import up
 from swarm.pipeline import LocalPipeline
-from swarm.train import batch_ids, load_dataset
 
 FRAMING_BYTES_PER_FRAME = 64
 

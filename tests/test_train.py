@@ -8,7 +8,8 @@ import pytest
 
 from swarm.cli import main
 from swarm.config import MODEL_PRESETS, CodecConfig, RunConfig, TrainConfig
-from swarm.train import load_dataset, train
+from swarm.data import load_dataset
+from swarm.train import train
 
 
 @pytest.fixture(scope="module")

@@ -55,6 +55,7 @@ def activation_to_proto(frame: ActivationFrame) -> common_pb2.ActivationFrame:
         payload=tensor_to_proto(frame.payload),
         token_ids=frame.token_ids,
         zstd=frame.zstd,
+        cut=frame.cut,
     )
 
 
@@ -70,6 +71,7 @@ def activation_from_proto(pb: common_pb2.ActivationFrame) -> ActivationFrame:
         payload=tensor_from_proto(pb.payload, "activation frame"),
         token_ids=pb.token_ids,
         zstd=pb.zstd,
+        cut=pb.cut,
     )
 
 

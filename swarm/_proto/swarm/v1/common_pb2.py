@@ -24,21 +24,21 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15swarm/v1/common.proto\x12\x08swarm.v1\"I\n\rEncodedTensor\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x0c\n\x04\x63ols\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xb8\x01\n\x0f\x41\x63tivationFrame\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nmicrobatch\x18\x02 \x01(\r\x12\x18\n\x10subspace_version\x18\x03 \x01(\r\x12\r\n\x05\x62\x61tch\x18\x04 \x01(\r\x12\x0f\n\x07seq_len\x18\x05 \x01(\r\x12(\n\x07payload\x18\x06 \x01(\x0b\x32\x17.swarm.v1.EncodedTensor\x12\x11\n\ttoken_ids\x18\x07 \x01(\x0c\x12\x0c\n\x04zstd\x18\x08 \x01(\x08\"\x83\x01\n\rGradientFrame\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nmicrobatch\x18\x02 \x01(\r\x12\x18\n\x10subspace_version\x18\x03 \x01(\r\x12(\n\x07payload\x18\x04 \x01(\x0b\x32\x17.swarm.v1.EncodedTensor\x12\x0c\n\x04zstd\x18\x05 \x01(\x08\"o\n\x08Rotation\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x16\n\x0e\x65\x66\x66\x65\x63tive_step\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61sis_f64_le\x18\x03 \x01(\x0c\x12\t\n\x01\x64\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\r\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t*Q\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x1c\n\x18PROTOCOL_VERSION_CURRENT\x10\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15swarm/v1/common.proto\x12\x08swarm.v1\"I\n\rEncodedTensor\x12\x0e\n\x06\x66ormat\x18\x01 \x01(\t\x12\x0c\n\x04rows\x18\x02 \x01(\r\x12\x0c\n\x04\x63ols\x18\x03 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"\xc5\x01\n\x0f\x41\x63tivationFrame\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nmicrobatch\x18\x02 \x01(\r\x12\x18\n\x10subspace_version\x18\x03 \x01(\r\x12\r\n\x05\x62\x61tch\x18\x04 \x01(\r\x12\x0f\n\x07seq_len\x18\x05 \x01(\r\x12(\n\x07payload\x18\x06 \x01(\x0b\x32\x17.swarm.v1.EncodedTensor\x12\x11\n\ttoken_ids\x18\x07 \x01(\x0c\x12\x0c\n\x04zstd\x18\x08 \x01(\x08\x12\x0b\n\x03\x63ut\x18\t \x01(\x08\"\x83\x01\n\rGradientFrame\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x12\n\nmicrobatch\x18\x02 \x01(\r\x12\x18\n\x10subspace_version\x18\x03 \x01(\r\x12(\n\x07payload\x18\x04 \x01(\x0b\x32\x17.swarm.v1.EncodedTensor\x12\x0c\n\x04zstd\x18\x05 \x01(\x08\"o\n\x08Rotation\x12\x0f\n\x07version\x18\x01 \x01(\r\x12\x16\n\x0e\x65\x66\x66\x65\x63tive_step\x18\x02 \x01(\x04\x12\x14\n\x0c\x62\x61sis_f64_le\x18\x03 \x01(\x0c\x12\t\n\x01\x64\x18\x04 \x01(\r\x12\t\n\x01k\x18\x05 \x01(\r\x12\x0e\n\x06\x64igest\x18\x06 \x01(\t*Q\n\x0fProtocolVersion\x12 \n\x1cPROTOCOL_VERSION_UNSPECIFIED\x10\x00\x12\x1c\n\x18PROTOCOL_VERSION_CURRENT\x10\x02\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarm.v1.common_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PROTOCOLVERSION']._serialized_start=544
-  _globals['_PROTOCOLVERSION']._serialized_end=625
+  _globals['_PROTOCOLVERSION']._serialized_start=557
+  _globals['_PROTOCOLVERSION']._serialized_end=638
   _globals['_ENCODEDTENSOR']._serialized_start=35
   _globals['_ENCODEDTENSOR']._serialized_end=108
   _globals['_ACTIVATIONFRAME']._serialized_start=111
-  _globals['_ACTIVATIONFRAME']._serialized_end=295
-  _globals['_GRADIENTFRAME']._serialized_start=298
-  _globals['_GRADIENTFRAME']._serialized_end=429
-  _globals['_ROTATION']._serialized_start=431
-  _globals['_ROTATION']._serialized_end=542
+  _globals['_ACTIVATIONFRAME']._serialized_end=308
+  _globals['_GRADIENTFRAME']._serialized_start=311
+  _globals['_GRADIENTFRAME']._serialized_end=442
+  _globals['_ROTATION']._serialized_start=444
+  _globals['_ROTATION']._serialized_end=555
 # @@protoc_insertion_point(module_scope)

@@ -26,7 +26,7 @@ class EncodedTensor(_message.Message):
     def __init__(self, format: _Optional[str] = ..., rows: _Optional[int] = ..., cols: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ActivationFrame(_message.Message):
-    __slots__ = ("step", "microbatch", "subspace_version", "batch", "seq_len", "payload", "token_ids", "zstd")
+    __slots__ = ("step", "microbatch", "subspace_version", "batch", "seq_len", "payload", "token_ids", "zstd", "cut")
     STEP_FIELD_NUMBER: _ClassVar[int]
     MICROBATCH_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -35,6 +35,7 @@ class ActivationFrame(_message.Message):
     PAYLOAD_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     ZSTD_FIELD_NUMBER: _ClassVar[int]
+    CUT_FIELD_NUMBER: _ClassVar[int]
     step: int
     microbatch: int
     subspace_version: int
@@ -43,7 +44,8 @@ class ActivationFrame(_message.Message):
     payload: EncodedTensor
     token_ids: bytes
     zstd: bool
-    def __init__(self, step: _Optional[int] = ..., microbatch: _Optional[int] = ..., subspace_version: _Optional[int] = ..., batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., payload: _Optional[_Union[EncodedTensor, _Mapping]] = ..., token_ids: _Optional[bytes] = ..., zstd: _Optional[bool] = ...) -> None: ...
+    cut: bool
+    def __init__(self, step: _Optional[int] = ..., microbatch: _Optional[int] = ..., subspace_version: _Optional[int] = ..., batch: _Optional[int] = ..., seq_len: _Optional[int] = ..., payload: _Optional[_Union[EncodedTensor, _Mapping]] = ..., token_ids: _Optional[bytes] = ..., zstd: _Optional[bool] = ..., cut: _Optional[bool] = ...) -> None: ...
 
 class GradientFrame(_message.Message):
     __slots__ = ("step", "microbatch", "subspace_version", "payload", "zstd")

@@ -8,11 +8,30 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class NodePhase(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NODE_PHASE_UNSPECIFIED: _ClassVar[NodePhase]
+    NODE_PHASE_JOINING: _ClassVar[NodePhase]
+    NODE_PHASE_FETCHING: _ClassVar[NodePhase]
+    NODE_PHASE_LOADING: _ClassVar[NodePhase]
+    NODE_PHASE_READY: _ClassVar[NodePhase]
+    NODE_PHASE_TRAINING: _ClassVar[NodePhase]
+    NODE_PHASE_WAITING: _ClassVar[NodePhase]
+    NODE_PHASE_LEAVING: _ClassVar[NodePhase]
+
 class LinkRole(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     __slots__ = ()
     LINK_ROLE_UNSPECIFIED: _ClassVar[LinkRole]
     LINK_ROLE_DIAL: _ClassVar[LinkRole]
     LINK_ROLE_ACCEPT: _ClassVar[LinkRole]
+NODE_PHASE_UNSPECIFIED: NodePhase
+NODE_PHASE_JOINING: NodePhase
+NODE_PHASE_FETCHING: NodePhase
+NODE_PHASE_LOADING: NodePhase
+NODE_PHASE_READY: NodePhase
+NODE_PHASE_TRAINING: NodePhase
+NODE_PHASE_WAITING: NodePhase
+NODE_PHASE_LEAVING: NodePhase
 LINK_ROLE_UNSPECIFIED: LinkRole
 LINK_ROLE_DIAL: LinkRole
 LINK_ROLE_ACCEPT: LinkRole
@@ -47,57 +66,87 @@ class BoundaryLink(_message.Message):
     role: LinkRole
     def __init__(self, boundary: _Optional[int] = ..., local_stage: _Optional[int] = ..., peer_node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ...) -> None: ...
 
+class StageCheckpoint(_message.Message):
+    __slots__ = ("stage", "step", "digest", "size")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    SIZE_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    step: int
+    digest: str
+    size: int
+    def __init__(self, stage: _Optional[int] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+
+class Plan(_message.Message):
+    __slots__ = ("epoch", "stages", "links", "resume_step", "restore")
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STAGES_FIELD_NUMBER: _ClassVar[int]
+    LINKS_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    RESTORE_FIELD_NUMBER: _ClassVar[int]
+    epoch: int
+    stages: _containers.RepeatedScalarFieldContainer[int]
+    links: _containers.RepeatedCompositeFieldContainer[BoundaryLink]
+    resume_step: int
+    restore: _containers.RepeatedCompositeFieldContainer[StageCheckpoint]
+    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., resume_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ...) -> None: ...
+
 class JoinReply(_message.Message):
-    __slots__ = ("node_id", "run_id", "config_json", "config_hash", "stages", "embedding_digest", "embedding_size", "subspace_version", "links", "plan_epoch", "heartbeat_interval_ms", "auth_token", "dht_initial_peers")
+    __slots__ = ("node_id", "run_id", "config_json", "config_hash", "embedding_digest", "embedding_size", "subspace_version", "heartbeat_interval_ms", "auth_token", "dht_initial_peers", "plan", "run_complete")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
-    STAGES_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_DIGEST_FIELD_NUMBER: _ClassVar[int]
     EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
-    LINKS_FIELD_NUMBER: _ClassVar[int]
-    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
     AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DHT_INITIAL_PEERS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     config_json: str
     config_hash: str
-    stages: _containers.RepeatedScalarFieldContainer[int]
     embedding_digest: str
     embedding_size: int
     subspace_version: int
-    links: _containers.RepeatedCompositeFieldContainer[BoundaryLink]
-    plan_epoch: int
     heartbeat_interval_ms: int
     auth_token: str
     dht_initial_peers: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., embedding_digest: _Optional[str] = ..., embedding_size: _Optional[int] = ..., subspace_version: _Optional[int] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., auth_token: _Optional[str] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ...) -> None: ...
+    plan: Plan
+    run_complete: bool
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ..., embedding_digest: _Optional[str] = ..., embedding_size: _Optional[int] = ..., subspace_version: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., auth_token: _Optional[str] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "step")
+    __slots__ = ("node_id", "step", "phase", "plan_epoch")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     step: int
-    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ...) -> None: ...
+    phase: NodePhase
+    plan_epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "plan_epoch", "stages", "links", "subspace_version")
+    __slots__ = ("known", "plan_epoch", "subspace_version", "plan", "run_complete", "cut_requests")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
-    STAGES_FIELD_NUMBER: _ClassVar[int]
-    LINKS_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLAN_FIELD_NUMBER: _ClassVar[int]
+    RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    CUT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     known: bool
     plan_epoch: int
-    stages: _containers.RepeatedScalarFieldContainer[int]
-    links: _containers.RepeatedCompositeFieldContainer[BoundaryLink]
     subspace_version: int
-    def __init__(self, known: _Optional[bool] = ..., plan_epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., subspace_version: _Optional[int] = ...) -> None: ...
+    plan: Plan
+    run_complete: bool
+    cut_requests: int
+    def __init__(self, known: _Optional[bool] = ..., plan_epoch: _Optional[int] = ..., subspace_version: _Optional[int] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., cut_requests: _Optional[int] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("node_id", "reason")
@@ -106,6 +155,66 @@ class LeaveRequest(_message.Message):
     node_id: str
     reason: str
     def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CheckpointReport(_message.Message):
+    __slots__ = ("node_id", "plan_epoch", "checkpoint")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    plan_epoch: int
+    checkpoint: StageCheckpoint
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., checkpoint: _Optional[_Union[StageCheckpoint, _Mapping]] = ...) -> None: ...
+
+class CheckpointAck(_message.Message):
+    __slots__ = ("latest_cut",)
+    LATEST_CUT_FIELD_NUMBER: _ClassVar[int]
+    latest_cut: int
+    def __init__(self, latest_cut: _Optional[int] = ...) -> None: ...
+
+class FailureReport(_message.Message):
+    __slots__ = ("node_id", "plan_epoch", "reason")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    plan_epoch: int
+    reason: str
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class FailureAck(_message.Message):
+    __slots__ = ("plan_epoch",)
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    plan_epoch: int
+    def __init__(self, plan_epoch: _Optional[int] = ...) -> None: ...
+
+class CutRequest(_message.Message):
+    __slots__ = ("node_id", "plan_epoch")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    plan_epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
+
+class CutAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UploadReply(_message.Message):
+    __slots__ = ("held", "complete")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    held: int
+    complete: bool
+    def __init__(self, held: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
+
+class ArtifactStatusReply(_message.Message):
+    __slots__ = ("held", "complete")
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    held: int
+    complete: bool
+    def __init__(self, held: _Optional[int] = ..., complete: _Optional[bool] = ...) -> None: ...
 
 class LeaveReply(_message.Message):
     __slots__ = ()
@@ -126,24 +235,28 @@ class RunConfigReply(_message.Message):
     def __init__(self, run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ...) -> None: ...
 
 class ArtifactRequest(_message.Message):
-    __slots__ = ("digest", "offset")
+    __slots__ = ("digest", "offset", "node_id")
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     digest: str
     offset: int
-    def __init__(self, digest: _Optional[str] = ..., offset: _Optional[int] = ...) -> None: ...
+    node_id: str
+    def __init__(self, digest: _Optional[str] = ..., offset: _Optional[int] = ..., node_id: _Optional[str] = ...) -> None: ...
 
 class ArtifactChunk(_message.Message):
-    __slots__ = ("offset", "data", "total_size", "digest")
+    __slots__ = ("node_id", "offset", "data", "total_size", "digest")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     DATA_FIELD_NUMBER: _ClassVar[int]
     TOTAL_SIZE_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
     offset: int
     data: bytes
     total_size: int
     digest: str
-    def __init__(self, offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_size: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_size: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class WatchRotationsRequest(_message.Message):
     __slots__ = ("node_id", "after_version")
@@ -154,7 +267,7 @@ class WatchRotationsRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., after_version: _Optional[int] = ...) -> None: ...
 
 class StatisticsReport(_message.Message):
-    __slots__ = ("node_id", "stage", "step", "boundary", "subspace_version", "gram_times_basis_f64_le", "off_energy", "total_energy", "rows")
+    __slots__ = ("node_id", "stage", "step", "boundary", "subspace_version", "gram_times_basis_f64_le", "off_energy", "total_energy", "rows", "plan_epoch")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +277,7 @@ class StatisticsReport(_message.Message):
     OFF_ENERGY_FIELD_NUMBER: _ClassVar[int]
     TOTAL_ENERGY_FIELD_NUMBER: _ClassVar[int]
     ROWS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     stage: int
     step: int
@@ -173,7 +287,8 @@ class StatisticsReport(_message.Message):
     off_energy: float
     total_energy: float
     rows: int
-    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., boundary: _Optional[int] = ..., subspace_version: _Optional[int] = ..., gram_times_basis_f64_le: _Optional[bytes] = ..., off_energy: _Optional[float] = ..., total_energy: _Optional[float] = ..., rows: _Optional[int] = ...) -> None: ...
+    plan_epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., boundary: _Optional[int] = ..., subspace_version: _Optional[int] = ..., gram_times_basis_f64_le: _Optional[bytes] = ..., off_energy: _Optional[float] = ..., total_energy: _Optional[float] = ..., rows: _Optional[int] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class StatisticsAck(_message.Message):
     __slots__ = ("accepted", "reason")
@@ -184,7 +299,8 @@ class StatisticsAck(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("node_id", "stage", "step", "loss", "tokens", "bytes_sent_forward", "bytes_sent_backward", "wall_seconds")
+    __slots__ = ("plan_epoch", "node_id", "stage", "step", "loss", "tokens", "bytes_sent_forward", "bytes_sent_backward", "wall_seconds")
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
@@ -193,6 +309,7 @@ class StepReport(_message.Message):
     BYTES_SENT_FORWARD_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_BACKWARD_FIELD_NUMBER: _ClassVar[int]
     WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    plan_epoch: int
     node_id: str
     stage: int
     step: int
@@ -201,7 +318,7 @@ class StepReport(_message.Message):
     bytes_sent_forward: int
     bytes_sent_backward: int
     wall_seconds: float
-    def __init__(self, node_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
+    def __init__(self, plan_epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
 
 class StepAck(_message.Message):
     __slots__ = ()
@@ -230,7 +347,7 @@ class StepSummary(_message.Message):
     def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "node_name", "address", "stages", "last_heartbeat_age_s", "alive", "device")
+    __slots__ = ("node_id", "node_name", "address", "stages", "last_heartbeat_age_s", "alive", "device", "phase", "plan_epoch")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -238,6 +355,8 @@ class NodeStatus(_message.Message):
     LAST_HEARTBEAT_AGE_S_FIELD_NUMBER: _ClassVar[int]
     ALIVE_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    PHASE_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     node_name: str
     address: str
@@ -245,10 +364,12 @@ class NodeStatus(_message.Message):
     last_heartbeat_age_s: float
     alive: bool
     device: str
-    def __init__(self, node_id: _Optional[str] = ..., node_name: _Optional[str] = ..., address: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., last_heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., device: _Optional[str] = ...) -> None: ...
+    phase: NodePhase
+    plan_epoch: int
+    def __init__(self, node_id: _Optional[str] = ..., node_name: _Optional[str] = ..., address: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., last_heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., device: _Optional[str] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps")
+    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps", "plan_epoch", "resume_step", "latest_cut", "run_complete", "epochs_restarted")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -256,6 +377,11 @@ class StatusReply(_message.Message):
     CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
     STEPS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     STEPS_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
+    LATEST_CUT_FIELD_NUMBER: _ClassVar[int]
+    RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    EPOCHS_RESTARTED_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     subspace_version: int
@@ -263,4 +389,9 @@ class StatusReply(_message.Message):
     config_hash: str
     steps_completed: int
     steps: _containers.RepeatedCompositeFieldContainer[StepSummary]
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ...) -> None: ...
+    plan_epoch: int
+    resume_step: int
+    latest_cut: int
+    run_complete: bool
+    epochs_restarted: int
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., latest_cut: _Optional[int] = ..., run_complete: _Optional[bool] = ..., epochs_restarted: _Optional[int] = ...) -> None: ...

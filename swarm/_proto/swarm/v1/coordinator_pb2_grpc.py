@@ -80,6 +80,31 @@ class CoordinatorStub:
                 request_serializer=swarm_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
                 response_deserializer=swarm_dot_v1_dot_coordinator__pb2.StatusReply.FromString,
                 _registered_method=True)
+        self.UploadArtifact = channel.stream_unary(
+                '/swarm.v1.Coordinator/UploadArtifact',
+                request_serializer=swarm_dot_v1_dot_coordinator__pb2.ArtifactChunk.SerializeToString,
+                response_deserializer=swarm_dot_v1_dot_coordinator__pb2.UploadReply.FromString,
+                _registered_method=True)
+        self.ArtifactStatus = channel.unary_unary(
+                '/swarm.v1.Coordinator/ArtifactStatus',
+                request_serializer=swarm_dot_v1_dot_coordinator__pb2.ArtifactRequest.SerializeToString,
+                response_deserializer=swarm_dot_v1_dot_coordinator__pb2.ArtifactStatusReply.FromString,
+                _registered_method=True)
+        self.ReportCheckpoint = channel.unary_unary(
+                '/swarm.v1.Coordinator/ReportCheckpoint',
+                request_serializer=swarm_dot_v1_dot_coordinator__pb2.CheckpointReport.SerializeToString,
+                response_deserializer=swarm_dot_v1_dot_coordinator__pb2.CheckpointAck.FromString,
+                _registered_method=True)
+        self.ReportFailure = channel.unary_unary(
+                '/swarm.v1.Coordinator/ReportFailure',
+                request_serializer=swarm_dot_v1_dot_coordinator__pb2.FailureReport.SerializeToString,
+                response_deserializer=swarm_dot_v1_dot_coordinator__pb2.FailureAck.FromString,
+                _registered_method=True)
+        self.RequestCut = channel.unary_unary(
+                '/swarm.v1.Coordinator/RequestCut',
+                request_serializer=swarm_dot_v1_dot_coordinator__pb2.CutRequest.SerializeToString,
+                response_deserializer=swarm_dot_v1_dot_coordinator__pb2.CutAck.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -148,6 +173,41 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def UploadArtifact(self, request_iterator, context):
+        """Upload a content-addressed artifact (a stage snapshot) in chunks; resumable by offset.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ArtifactStatus(self, request, context):
+        """How much of an artifact the coordinator holds (where an interrupted upload resumes).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportCheckpoint(self, request, context):
+        """Record that a stage's snapshot after a step is stored (uploaded first).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReportFailure(self, request, context):
+        """A boundary of the current plan broke: start a new epoch from the latest cut.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RequestCut(self, request, context):
+        """Ask every stage to snapshot after the next step (a node about to leave gracefully).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -195,6 +255,31 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.Status,
                     request_deserializer=swarm_dot_v1_dot_coordinator__pb2.StatusRequest.FromString,
                     response_serializer=swarm_dot_v1_dot_coordinator__pb2.StatusReply.SerializeToString,
+            ),
+            'UploadArtifact': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadArtifact,
+                    request_deserializer=swarm_dot_v1_dot_coordinator__pb2.ArtifactChunk.FromString,
+                    response_serializer=swarm_dot_v1_dot_coordinator__pb2.UploadReply.SerializeToString,
+            ),
+            'ArtifactStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.ArtifactStatus,
+                    request_deserializer=swarm_dot_v1_dot_coordinator__pb2.ArtifactRequest.FromString,
+                    response_serializer=swarm_dot_v1_dot_coordinator__pb2.ArtifactStatusReply.SerializeToString,
+            ),
+            'ReportCheckpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportCheckpoint,
+                    request_deserializer=swarm_dot_v1_dot_coordinator__pb2.CheckpointReport.FromString,
+                    response_serializer=swarm_dot_v1_dot_coordinator__pb2.CheckpointAck.SerializeToString,
+            ),
+            'ReportFailure': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportFailure,
+                    request_deserializer=swarm_dot_v1_dot_coordinator__pb2.FailureReport.FromString,
+                    response_serializer=swarm_dot_v1_dot_coordinator__pb2.FailureAck.SerializeToString,
+            ),
+            'RequestCut': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestCut,
+                    request_deserializer=swarm_dot_v1_dot_coordinator__pb2.CutRequest.FromString,
+                    response_serializer=swarm_dot_v1_dot_coordinator__pb2.CutAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -440,6 +525,141 @@ class Coordinator:
             '/swarm.v1.Coordinator/Status',
             swarm_dot_v1_dot_coordinator__pb2.StatusRequest.SerializeToString,
             swarm_dot_v1_dot_coordinator__pb2.StatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadArtifact(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/swarm.v1.Coordinator/UploadArtifact',
+            swarm_dot_v1_dot_coordinator__pb2.ArtifactChunk.SerializeToString,
+            swarm_dot_v1_dot_coordinator__pb2.UploadReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ArtifactStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.v1.Coordinator/ArtifactStatus',
+            swarm_dot_v1_dot_coordinator__pb2.ArtifactRequest.SerializeToString,
+            swarm_dot_v1_dot_coordinator__pb2.ArtifactStatusReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportCheckpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.v1.Coordinator/ReportCheckpoint',
+            swarm_dot_v1_dot_coordinator__pb2.CheckpointReport.SerializeToString,
+            swarm_dot_v1_dot_coordinator__pb2.CheckpointAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportFailure(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.v1.Coordinator/ReportFailure',
+            swarm_dot_v1_dot_coordinator__pb2.FailureReport.SerializeToString,
+            swarm_dot_v1_dot_coordinator__pb2.FailureAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestCut(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.v1.Coordinator/RequestCut',
+            swarm_dot_v1_dot_coordinator__pb2.CutRequest.SerializeToString,
+            swarm_dot_v1_dot_coordinator__pb2.CutAck.FromString,
             options,
             channel_credentials,
             insecure,

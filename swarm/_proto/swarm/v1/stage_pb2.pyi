@@ -20,6 +20,7 @@ class ErrorCode(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     ERROR_CODE_UNEXPECTED_MESSAGE: _ClassVar[ErrorCode]
     ERROR_CODE_SHUTTING_DOWN: _ClassVar[ErrorCode]
     ERROR_CODE_INTERNAL: _ClassVar[ErrorCode]
+    ERROR_CODE_PLAN_EPOCH: _ClassVar[ErrorCode]
 ERROR_CODE_UNSPECIFIED: ErrorCode
 ERROR_CODE_PROTOCOL_VERSION: ErrorCode
 ERROR_CODE_UNAUTHENTICATED: ErrorCode
@@ -30,6 +31,7 @@ ERROR_CODE_SUBSPACE_VERSION: ErrorCode
 ERROR_CODE_UNEXPECTED_MESSAGE: ErrorCode
 ERROR_CODE_SHUTTING_DOWN: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
+ERROR_CODE_PLAN_EPOCH: ErrorCode
 
 class StageMessage(_message.Message):
     __slots__ = ("hello", "activation", "gradient", "sync", "error")
@@ -46,7 +48,7 @@ class StageMessage(_message.Message):
     def __init__(self, hello: _Optional[_Union[Hello, _Mapping]] = ..., activation: _Optional[_Union[_common_pb2.ActivationFrame, _Mapping]] = ..., gradient: _Optional[_Union[_common_pb2.GradientFrame, _Mapping]] = ..., sync: _Optional[_Union[BoundarySync, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class Hello(_message.Message):
-    __slots__ = ("protocol_version", "run_id", "config_hash", "boundary", "stage", "auth_token", "node_id")
+    __slots__ = ("protocol_version", "run_id", "config_hash", "boundary", "stage", "auth_token", "node_id", "plan_epoch")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +56,7 @@ class Hello(_message.Message):
     STAGE_FIELD_NUMBER: _ClassVar[int]
     AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     run_id: str
     config_hash: str
@@ -61,7 +64,8 @@ class Hello(_message.Message):
     stage: int
     auth_token: str
     node_id: str
-    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., config_hash: _Optional[str] = ..., boundary: _Optional[int] = ..., stage: _Optional[int] = ..., auth_token: _Optional[str] = ..., node_id: _Optional[str] = ...) -> None: ...
+    plan_epoch: int
+    def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., config_hash: _Optional[str] = ..., boundary: _Optional[int] = ..., stage: _Optional[int] = ..., auth_token: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class BoundarySync(_message.Message):
     __slots__ = ("step", "boundary", "mapl_gradients", "codebook_delta")

@@ -1,0 +1,283 @@
+"""The node's side of the coordinator protocol: calls with retries, heartbeats, reports, rotations.
+
+Every call is retried with exponential backoff and jitter while the coordinator is
+unreachable (a restart is a pause), up to ``Timeouts.coordinator_down_s``. Heartbeats
+start right after ``Join`` and run for the node's whole life, whatever it is doing;
+their replies carry plan changes, which wake :meth:`CoordinatorClient.wait_change`.
+Step, statistics and checkpoint reports leave the training loop's critical path: they
+go through one ordered queue drained in the background. A report refused because its
+epoch is stale is dropped with a log line (the step is redone under the new epoch); a
+refusal that says this node is no longer in the run fences it (:class:`Fenced`), and a
+coordinator silent for longer than ``Timeouts.coordinator_down_s`` ends the node too
+(:class:`CoordinatorUnreachable`); either surfaces from :meth:`CoordinatorClient.wait_change`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import grpc
+
+from node.settings import Timeouts
+from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
+from swarm._proto.swarm.v1 import coordinator_pb2_grpc
+from swarm.artifacts import digest
+from swarm.metrics import Metrics
+from swarm.subspace import SubspaceRotation
+from swarm.transport.channel import insecure_channel
+from swarm.transport.frames import rotation_from_proto
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN}
+
+
+class Fenced(RuntimeError):
+    """The coordinator no longer counts this node in the run (declared dead and replaced)."""
+
+
+class CoordinatorUnreachable(RuntimeError):
+    """The coordinator stayed unreachable for longer than ``Timeouts.coordinator_down_s``."""
+
+
+class CoordinatorClient:
+    """One node's channel to the coordinator and the state it learns from it."""
+
+    def __init__(self, address: str, timeouts: Timeouts, metrics: Metrics):
+        self.address, self.timeouts, self.metrics = address, timeouts, metrics
+        self.channel = insecure_channel(address, timeouts.keepalive)
+        self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
+        self.node_id = ""
+        self.plan: cpb.Plan | None = None
+        self.phase = cpb.NODE_PHASE_JOINING
+        self.completed_step = -1
+        self.run_complete = False
+        self.cut_requests = 0
+        self.fatal: Fenced | CoordinatorUnreachable | None = None
+        self.rotations: dict[int, SubspaceRotation] = {}
+        self._changed = asyncio.Event()
+        self._rotation_arrived = asyncio.Event()
+        self._reports: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task] = []
+
+    # -- calls --------------------------------------------------------------------------------
+
+    async def call(self, name: str, request, retry: bool = True):
+        """``stub.<name>(request)``, retried with backoff while the coordinator is unreachable."""
+        method = getattr(self.stub, name)
+        return await self._retrying(name, lambda: method(request, timeout=self.timeouts.rpc_s), retry)
+
+    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[T]], retry: bool = True) -> T:
+        t = self.timeouts
+        loop = asyncio.get_running_loop()
+        deadline, delay = loop.time() + t.coordinator_down_s, t.retry_initial_s
+        while True:
+            try:
+                return await attempt()
+            except grpc.aio.AioRpcError as e:
+                if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                    self._fence(e.details())
+                if not retry or e.code() not in RETRYABLE:
+                    raise
+                if loop.time() + delay > deadline:
+                    raise CoordinatorUnreachable(
+                        f"coordinator {self.address} unreachable for {t.coordinator_down_s:.0f}s "
+                        f"({what}: {e.code().name})"
+                    ) from None
+            await asyncio.sleep(delay * random.uniform(0.5, 1.0))
+            delay = min(delay * 2, t.retry_max_s)
+
+    def _fence(self, reason: str) -> None:
+        fenced = Fenced(f"the coordinator refused this node ({reason}); it was replaced, exiting")
+        self._fail(fenced)
+        raise fenced
+
+    def _fail(self, error: Fenced | CoordinatorUnreachable) -> None:
+        if self.fatal is None:
+            self.fatal = error
+            self._changed.set()
+
+    async def join(self, request: cpb.JoinRequest) -> cpb.JoinReply:
+        reply = await self.call("Join", request)
+        self.node_id, self.plan, self.run_complete = reply.node_id, reply.plan, reply.run_complete
+        return reply
+
+    # -- background tasks ---------------------------------------------------------------------
+
+    def start(self, heartbeat_interval: float, watch_rotations: bool) -> None:
+        """Start heartbeats and the report queue (and the rotation stream); right after Join."""
+        self._tasks.append(asyncio.create_task(self._heartbeats(heartbeat_interval)))
+        self._tasks.append(asyncio.create_task(self._drain_reports()))
+        if watch_rotations:
+            self._tasks.append(asyncio.create_task(self._watch_rotations()))
+
+    async def close(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.channel.close()
+
+    def set_phase(self, phase: int) -> None:
+        self.phase = phase
+        self.metrics.phase.set(phase)
+
+    async def heartbeat(self) -> None:
+        """One heartbeat now: report phase and progress, take in a new plan or the end of the run."""
+        epoch = self.plan.epoch if self.plan is not None else 0
+        request = cpb.HeartbeatRequest(
+            node_id=self.node_id, step=max(self.completed_step, 0), phase=self.phase, plan_epoch=epoch
+        )
+        # Not retried: the next heartbeat is the retry, and it must not wait out a backoff.
+        reply = await self.call("Heartbeat", request, retry=False)
+        if not reply.known:
+            self._fence("heartbeat answered: unknown node")
+        changed = False
+        if reply.HasField("plan") and reply.plan.epoch != epoch:
+            self.plan, changed = reply.plan, True
+        if reply.run_complete and not self.run_complete:
+            self.run_complete, changed = True, True
+        if reply.cut_requests != self.cut_requests:
+            self.cut_requests, changed = reply.cut_requests, True
+        if changed:
+            self._changed.set()
+
+    async def _heartbeats(self, interval: float) -> None:
+        loop = asyncio.get_running_loop()
+        last_ok = loop.time()
+        while True:
+            try:
+                await self.heartbeat()
+                last_ok = loop.time()
+            except Fenced:
+                return
+            except grpc.aio.AioRpcError as e:
+                if loop.time() - last_ok > self.timeouts.coordinator_down_s:
+                    down = self.timeouts.coordinator_down_s
+                    self._fail(
+                        CoordinatorUnreachable(f"no heartbeat answered for {down:.0f}s ({e.code().name})")
+                    )
+                    return
+            await asyncio.sleep(interval)
+
+    async def wait_change(self) -> None:
+        """Until something changed since the last call returned: a plan, the end of the run, a cut
+        request, fencing or :meth:`notify` (heartbeats bring changes within one interval)."""
+        await self._changed.wait()
+        self._changed.clear()
+        if self.fatal is not None:
+            raise self.fatal
+
+    def notify(self) -> None:
+        """Wake :meth:`wait_change` (the node's own state changed, e.g. it is leaving)."""
+        self._changed.set()
+
+    # -- reports ------------------------------------------------------------------------------
+
+    def report(self, method: str, request) -> None:
+        """Queue a report (``ReportStep``, ``ReportStatistics``, ``ReportCheckpoint``); sent in order."""
+        self._reports.put_nowait((method, request))
+        self.metrics.pending_reports.set(self._reports.qsize())
+
+    async def flush_reports(self) -> None:
+        """Until every queued report has been answered."""
+        await self._reports.join()
+
+    async def _drain_reports(self) -> None:
+        while True:
+            method, request = await self._reports.get()
+            try:
+                reply = await self.call(method, request)
+                if method == "ReportStatistics" and not reply.accepted:
+                    log.error("coordinator refused the boundary statistics: %s", reply.reason)
+            except grpc.aio.AioRpcError as e:
+                # ABORTED: an older epoch's report (its step is redone); anything else is logged too.
+                log.warning("%s of step %d dropped: %s", method, getattr(request, "step", -1), e.details())
+            except (Fenced, CoordinatorUnreachable) as e:
+                log.error("%s not delivered: %s", method, e)
+            finally:
+                self._reports.task_done()
+                self.metrics.pending_reports.set(self._reports.qsize())
+
+    # -- rotations ----------------------------------------------------------------------------
+
+    async def _watch_rotations(self) -> None:
+        """Follow the rotation stream; re-open it from the last version held whenever it breaks."""
+        while True:
+            after = max(self.rotations, default=0)
+            request = cpb.WatchRotationsRequest(node_id=self.node_id, after_version=after)
+            try:
+                async for pb in self.stub.WatchRotations(request):
+                    rotation = rotation_from_proto(pb)
+                    self.rotations[rotation.version] = rotation
+                    self._rotation_arrived.set()
+            except grpc.aio.AioRpcError as e:
+                log.info("rotation stream broke (%s); re-opening", e.code().name)
+            await asyncio.sleep(self.timeouts.retry_initial_s * random.uniform(1, 4))
+
+    async def rotation(self, version: int) -> SubspaceRotation:
+        """The rotation to ``version``, waiting for it up to ``Timeouts.rotation_s``."""
+
+        async def arrived() -> SubspaceRotation:
+            while version not in self.rotations:
+                self._rotation_arrived.clear()
+                await self._rotation_arrived.wait()
+            return self.rotations[version]
+
+        try:
+            return await asyncio.wait_for(arrived(), self.timeouts.rotation_s)
+        except TimeoutError:
+            raise RuntimeError(f"subspace rotation {version} did not arrive") from None
+
+    # -- artifacts ----------------------------------------------------------------------------
+
+    async def fetch(self, key: str, size: int) -> bytes:
+        """A content-addressed artifact, resumed from where a broken download stopped; hash-checked."""
+        parts: list[bytes] = []
+        received = 0
+
+        async def attempt() -> None:
+            nonlocal received
+            request = cpb.ArtifactRequest(digest=key, offset=received)
+            async for chunk in self.stub.FetchArtifact(request, timeout=max(self.timeouts.rpc_s, 120)):
+                if chunk.offset != received:
+                    raise RuntimeError(f"artifact chunk at offset {chunk.offset}, expected {received}")
+                parts.append(chunk.data)
+                received += len(chunk.data)
+
+        await self._retrying(f"fetch {key[:12]}", attempt)
+        data = b"".join(parts)
+        if len(data) != size or digest(data) != key:
+            raise RuntimeError(f"fetched artifact does not match digest {key[:12]} / size {size}")
+        return data
+
+    async def upload(self, key: str, data: bytes) -> None:
+        """Upload an artifact in chunks, resuming after what the coordinator already holds."""
+        chunk_bytes = self.timeouts.upload_chunk_bytes
+
+        async def attempt() -> None:
+            status = await self.stub.ArtifactStatus(
+                cpb.ArtifactRequest(digest=key, node_id=self.node_id), timeout=self.timeouts.rpc_s
+            )
+            if status.complete:
+                return
+            chunks = [
+                cpb.ArtifactChunk(
+                    node_id=self.node_id,
+                    digest=key,
+                    offset=offset,
+                    data=data[offset : offset + chunk_bytes],
+                    total_size=len(data),
+                )
+                for offset in range(status.held, len(data), chunk_bytes)
+            ]
+            reply = await self.stub.UploadArtifact(iter(chunks), timeout=max(self.timeouts.rpc_s, 600))
+            if not reply.complete:
+                raise RuntimeError(f"upload of {key[:12]} ended at {reply.held} of {len(data)} bytes")
+            self.metrics.checkpoint_bytes.inc(len(data) - status.held)
+
+        await self._retrying(f"upload {key[:12]}", attempt)

@@ -1,0 +1,161 @@
+"""The boundary streams of one plan epoch: dial or accept each one, then tear them all down.
+
+For every boundary the plan shares with another node, the plan says which side dials
+(see :mod:`coordinator.assignment`). Dialled peers are looked up in the DHT (when the
+record names the node the plan names) or taken from the plan; accepted streams come in
+through the node's :class:`~node.stage_service.StageService`, for which this manager is
+the current :class:`~node.stage_service.Acceptor` while its epoch lasts. Every Hello
+carries the epoch, so streams of different epochs never pair up.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import replace
+
+import grpc
+
+from node.links import LinkError, PlannedPeer, RunIdentity, StageLink, dial, rejection_reason
+from node.schedule import StageRunner
+from node.settings import NodeSettings
+from node.stage_host import say
+from node.stage_service import StageService
+from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
+from swarm._proto.swarm.v1 import stage_pb2
+from swarm.discovery import find_stage
+from swarm.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+
+def unreachable_boundaries(plan: cpb.Plan) -> list[cpb.BoundaryLink]:
+    """Boundaries of ``plan`` where neither side accepts inbound connections (they need a relay)."""
+    return [link for link in plan.links if link.peer_node_id and link.role == cpb.LINK_ROLE_UNSPECIFIED]
+
+
+class LinkManager:
+    """Connects ``runners`` (this node's stages, by index) to their neighbours for ``plan``."""
+
+    def __init__(
+        self,
+        identity: RunIdentity,
+        plan: cpb.Plan,
+        runners: dict[int, StageRunner],
+        settings: NodeSettings,
+        metrics: Metrics,
+        service: StageService | None,
+        dht=None,
+    ):
+        self.identity = replace(identity, plan_epoch=plan.epoch)
+        self.stages = list(plan.stages)
+        self.plan_links = {link.boundary: link for link in plan.links}
+        self.runners, self.settings, self.metrics = runners, settings, metrics
+        self.service, self.dht = service, dht
+        self._ready: dict[int, asyncio.Future] = {}
+        self._links: list[StageLink] = []
+        self._tasks: list[asyncio.Task] = []
+        self._channels: list[grpc.aio.Channel] = []
+
+    # -- Acceptor -------------------------------------------------------------------------------
+
+    def peer_of(self, boundary: int) -> PlannedPeer | None:
+        link = self.plan_links.get(boundary)
+        if link is None or link.role != cpb.LINK_ROLE_ACCEPT:
+            return None
+        peer_stage = boundary + 1 if link.local_stage == boundary else boundary
+        return PlannedPeer(peer_stage, link.peer_node_id)
+
+    def local_stage(self, boundary: int) -> int:
+        return self.plan_links[boundary].local_stage
+
+    async def attach(self, boundary: int, link: StageLink) -> None:
+        """An accepted stream: install it and read it until it closes."""
+        future = self._ready.get(boundary)
+        if future is None or future.done():
+            self.metrics.rejected.labels(rejection_reason(stage_pb2.ERROR_CODE_WRONG_BOUNDARY)).inc()
+            await link.send_error(
+                stage_pb2.ERROR_CODE_WRONG_BOUNDARY, f"boundary {boundary} expects no (further) stream"
+            )
+            return
+        task = self._install(boundary, link)
+        future.set_result(link)
+        await task
+
+    # -- connecting -----------------------------------------------------------------------------
+
+    def _install(self, boundary: int, link: StageLink) -> asyncio.Task:
+        local = self.plan_links[boundary].local_stage
+        runner = self.runners[local]
+        if local == boundary:  # the peer is downstream
+            runner.downstream, deliver = link, runner.deliver_from_downstream
+        else:
+            runner.upstream, deliver = link, runner.deliver_from_upstream
+        self._links.append(link)
+        task = asyncio.create_task(link.pump(deliver, runner.fail))
+        self._tasks.append(task)
+        return task
+
+    async def connect(self, run_id: str) -> None:
+        """Open or accept every cross-node boundary stream of the plan (bounded by the connect timeout)."""
+        timeout = self.settings.timeouts.connect_s
+        loop = asyncio.get_running_loop()
+        for b, link in self.plan_links.items():
+            if link.role == cpb.LINK_ROLE_ACCEPT:
+                self._ready[b] = loop.create_future()
+        if self._ready:
+            if self.service is None:
+                raise LinkError("the plan has this node accept streams, but it has no --listen address")
+            self.service.acceptor = self
+        for b, link in self.plan_links.items():
+            if link.role != cpb.LINK_ROLE_DIAL:
+                continue
+            peer_stage = b + 1 if link.local_stage == b else b
+            address = await self._peer_address(run_id, peer_stage, link)
+            stage_link, channel = await dial(
+                address,
+                self.identity,
+                b,
+                link.local_stage,
+                PlannedPeer(peer_stage, link.peer_node_id),
+                self.metrics,
+                self.settings.link,
+                timeout=timeout,
+                keepalive=self.settings.timeouts.keepalive,
+            )
+            self._channels.append(channel)
+            self._install(b, stage_link)
+            say(f"boundary {b}: dialled stage {peer_stage} at {address}")
+        for b, future in self._ready.items():
+            try:
+                await asyncio.wait_for(asyncio.shield(future), timeout=timeout)
+            except TimeoutError:
+                raise LinkError(
+                    f"boundary {b}: the neighbour did not dial in within {timeout:.0f}s"
+                ) from None
+            say(f"boundary {b}: accepted stream from stage {self.peer_of(b).stage}")
+
+    async def _peer_address(self, run_id: str, peer_stage: int, link: cpb.BoundaryLink) -> str:
+        """The peer's Stage address: its DHT record if it is the node the plan names, else the plan's."""
+        if self.dht is None:
+            return link.peer_address
+        try:
+            endpoint = await find_stage(self.dht, run_id, peer_stage, link.peer_node_id, 5.0)
+            return endpoint.address or link.peer_address
+        except TimeoutError:
+            log.warning("no DHT record for stage %d; using the coordinator's address", peer_stage)
+            return link.peer_address
+
+    async def close(self) -> None:
+        """Flush and close every stream of this epoch; stop accepting for it."""
+        if self.service is not None and self.service.acceptor is self:
+            self.service.acceptor = None
+        for link in self._links:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(link.close(), timeout=5)
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for channel in self._channels:
+            await channel.close()

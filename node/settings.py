@@ -1,0 +1,49 @@
+"""What a volunteer chooses about its node, and every timeout, retry and backoff the node uses.
+
+The defaults hold for a slow volunteer on a 50 Mbit/s link: a coordinator call may take
+seconds, a stage of a large model may take minutes per step, and a coordinator restart
+should look like a pause, not the end of the run.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from swarm.transport.channel import KeepAlive
+from swarm.transport.shaper import LinkProfile
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    rpc_s: float = 15.0  # one coordinator call
+    retry_initial_s: float = 0.25  # first backoff after a failed coordinator call
+    retry_max_s: float = 8.0  # backoff cap (each wait is jittered to 50-100%)
+    coordinator_down_s: float = 900.0  # give up once the coordinator is unreachable this long
+    connect_s: float = 60.0  # opening a boundary stream: dial retries, or waiting to be dialled
+    step_s: float = 300.0  # a neighbour silent this long inside a step fails the step
+    rotation_s: float = 600.0  # waiting for a subspace rotation the coordinator computes
+    failure_grace_s: float = 3.0  # after a broken boundary, wait this long for a new plan before reporting it
+    unreachable_grace_s: float = 2.0  # stay joined this long after finding no way to a peer (it learns too)
+    leave_s: float = 120.0  # graceful leave: longest wait for the final cut before leaving anyway
+    upload_chunk_bytes: int = 1 << 20
+    keepalive: KeepAlive = field(default_factory=KeepAlive)
+
+
+@dataclass
+class NodeSettings:
+    """Everything a volunteer chooses about its node (the CLI maps flags onto this)."""
+
+    coordinator: str
+    token: str
+    listen: str = "127.0.0.1:0"  # Stage service address; "" = dial-only (no inbound port)
+    announce: str = ""  # address neighbours dial; default: the bound listen address
+    device: str = "auto"
+    max_stages: int = 1
+    data_dir: Path = field(default_factory=lambda: Path("swarm-node-data"))
+    metrics_port: int = -1  # -1: no metrics server; 0: a free port
+    link: LinkProfile = field(default_factory=LinkProfile)
+    use_dht: bool = True
+    public_dht: bool = False
+    name: str = ""
+    timeouts: Timeouts = field(default_factory=Timeouts)

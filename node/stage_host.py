@@ -1,0 +1,238 @@
+"""The stages a node hosts in one plan epoch: built or restored, trained, snapshotted.
+
+Every epoch starts from fresh :class:`~swarm.worker.StageWorker` objects (built off the
+event loop): from the run seed when the epoch resumes at step 0, else restored from the
+snapshots of the epoch's cut (the node's own verified copy when it has one, else fetched
+from the coordinator). Consecutive hosted stages talk in memory. After each step the
+step reports are queued for the coordinator; after each cut step every stage's state is
+captured and handed to the :class:`Checkpointer`, which writes it to disk and uploads it
+in the background while training goes on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import torch
+
+from node.coordinator_client import CoordinatorClient
+from node.links import LocalLink
+from node.schedule import StageRunner, StepOutcome
+from swarm import checkpoint
+from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
+from swarm.config import RunConfig
+from swarm.data import BatchSampler, TokenDataset, batch_ids
+from swarm.metrics import Metrics
+from swarm.subspace import initial_basis
+from swarm.worker import StageWorker
+
+log = logging.getLogger(__name__)
+
+
+def say(message: str) -> None:
+    """One line on stdout for operators (and for ``swarm up``, which relays it)."""
+    print(message, flush=True)
+
+
+class Checkpointer:
+    """Serialises, stores and uploads snapshots in order, in the background; reports each one."""
+
+    def __init__(self, store: checkpoint.SnapshotStore, client: CoordinatorClient, metrics: Metrics):
+        self.store, self.client, self.metrics = store, client, metrics
+        self._queue: asyncio.Queue[tuple[int, list[dict]]] = asyncio.Queue()
+        self._task = asyncio.create_task(self._drain())
+
+    def submit(self, epoch: int, states: list[dict]) -> None:
+        self._queue.put_nowait((epoch, states))
+
+    async def flush(self) -> None:
+        await self._queue.join()
+
+    async def close(self) -> None:
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+
+    async def _drain(self) -> None:
+        while True:
+            epoch, states = await self._queue.get()
+            try:
+                for state in states:
+                    await self._save(epoch, state)
+            except Exception as e:  # a failed upload costs this cut only; the next cut tries again
+                log.error("snapshot not saved: %s", e)
+            finally:
+                self._queue.task_done()
+
+    async def _save(self, epoch: int, state: dict) -> None:
+        stage, step = state["stage"], state["step"]
+        data = await asyncio.to_thread(checkpoint.to_bytes, state)
+        saved = await asyncio.to_thread(self.store.write, stage, step, data)
+        await self.client.upload(saved.digest, data)
+        self.metrics.checkpoint_step.set(step)
+        ref = cpb.StageCheckpoint(stage=stage, step=step, digest=saved.digest, size=len(data))
+        self.client.report(
+            "ReportCheckpoint",
+            cpb.CheckpointReport(node_id=self.client.node_id, plan_epoch=epoch, checkpoint=ref),
+        )
+        say(f"snapshot of stage {stage} after step {step}: {len(data)} bytes, uploaded")
+
+
+class StageHost:
+    """This node's stages for one plan epoch."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        plan: cpb.Plan,
+        fixed: torch.Tensor,
+        device: torch.device,
+        client: CoordinatorClient,
+        checkpointer: Checkpointer,
+        metrics: Metrics,
+        dataset: Callable[[], TokenDataset],
+        step_timeout: float,
+    ):
+        self.config, self.plan, self.fixed, self.device = config, plan, fixed, device
+        self.client, self.checkpointer, self.metrics = client, checkpointer, metrics
+        self.dataset, self.step_timeout = dataset, step_timeout
+        self.runners: dict[int, StageRunner] = {}
+        self.sampler: BatchSampler | None = None
+        self.last_cut: int | None = None  # the last step snapshotted in this epoch
+
+    @property
+    def rotating(self) -> bool:
+        return self.config.rotation.interval > 0 and self.config.model.constrained
+
+    # -- building -------------------------------------------------------------------------------
+
+    async def build(self) -> None:
+        """Build the stages (off the event loop) and restore them from the epoch's cut."""
+        snapshots = {}
+        for ref in self.plan.restore:
+            self.client.set_phase(cpb.NODE_PHASE_FETCHING)
+            data = await asyncio.to_thread(self.checkpointer.store.read, ref.stage, ref.step, ref.digest)
+            if data is None:
+                data = await self.client.fetch(ref.digest, ref.size)
+                await asyncio.to_thread(self.checkpointer.store.write, ref.stage, ref.step, data)
+            snapshots[ref.stage] = data
+        self.client.set_phase(cpb.NODE_PHASE_LOADING)
+        await asyncio.to_thread(self._build, snapshots)
+        for s, runner in self.runners.items():
+            nxt = self.runners.get(s + 1)
+            if nxt is not None:
+                runner.downstream = LocalLink(nxt.deliver_from_upstream)
+                nxt.upstream = LocalLink(runner.deliver_from_downstream)
+
+    def _build(self, snapshots: dict[int, bytes]) -> None:
+        basis = initial_basis(self.config)
+        t = self.config.train
+        for s in self.plan.stages:
+            worker = StageWorker(self.config, s, self.fixed, basis, device=self.device)
+            sampler = None
+            if worker.is_first:
+                sampler = BatchSampler(self.dataset().train, t.batch_size, t.seq_len, t.seed)
+                self.sampler = sampler
+            if s in snapshots:
+                step = checkpoint.restore(worker, checkpoint.from_bytes(snapshots[s], self.device), sampler)
+                if step != self.plan.resume_step - 1:
+                    raise RuntimeError(f"snapshot of stage {s} is of step {step}, the plan resumes after it")
+            rotation_ready = self._rotation_ready(worker) if self.rotating else None
+            batches = self._batches(sampler) if sampler is not None else None
+            self.runners[s] = StageRunner(worker, self.metrics, batches, rotation_ready, self.step_timeout)
+
+    def _batches(self, sampler: BatchSampler) -> Callable[[int], torch.Tensor]:
+        expected = [self.plan.resume_step]
+
+        def batch_for_step(step: int) -> torch.Tensor:
+            if step != expected[0]:
+                raise RuntimeError(f"stage 0 asked for step {step}, sampler is at {expected[0]}")
+            expected[0] += 1
+            return batch_ids(*sampler.next_batch())
+
+        return batch_for_step
+
+    def _rotation_ready(self, worker: StageWorker):
+        interval = self.config.rotation.interval
+
+        async def ready(step: int) -> None:
+            """Before a step at which a rotation is due, wait for it and hand it to the worker."""
+            if step == 0 or step % interval:
+                return
+            rotation = await self.client.rotation(step // interval)
+            if worker.version < rotation.version:
+                worker.schedule_rotation(rotation)
+                say(f"rotation to subspace version {rotation.version} at step {rotation.effective_step}")
+
+        return ready
+
+    # -- training -------------------------------------------------------------------------------
+
+    async def train(self, take_cut_request: Callable[[], bool], leaving: asyncio.Event) -> bool:
+        """Run the epoch's steps to the end of the run; False if stopped early at a cut to leave."""
+        epoch, steps = self.plan.epoch, self.config.train.steps
+        for step in range(self.plan.resume_step, steps):
+            mark = 0 in self.runners and take_cut_request()
+            results = await asyncio.gather(*(r.run_step(step, mark) for r in self.runners.values()))
+            for outcome in results:
+                self._report(epoch, outcome)
+            self.client.completed_step = step
+            if any(o.cut for o in results) or self.config.checkpoint.is_cut(step, steps):
+                states = await asyncio.to_thread(self._capture, step)
+                self.checkpointer.submit(epoch, states)
+                self.last_cut = step
+                if leaving.is_set():
+                    return False
+        return True
+
+    def _capture(self, step: int) -> list[dict]:
+        return [
+            checkpoint.capture(r.worker, step, self.sampler if r.worker.is_first else None)
+            for r in self.runners.values()
+        ]
+
+    def _report(self, epoch: int, outcome: StepOutcome) -> None:
+        s = outcome.stats
+        request = cpb.StepReport(
+            plan_epoch=epoch,
+            node_id=self.client.node_id,
+            stage=outcome.stage,
+            step=outcome.step,
+            tokens=s.tokens,
+            bytes_sent_forward=outcome.wire_bytes_forward,
+            bytes_sent_backward=outcome.wire_bytes_backward,
+            wall_seconds=outcome.seconds,
+        )
+        if s.loss_count:
+            request.loss = s.loss_sum / s.loss_count
+            say(f"step {outcome.step} loss {request.loss:.4f}")
+        self.client.report("ReportStep", request)
+        worker = self.runners[outcome.stage].worker
+        if (
+            self.rotating
+            and worker.statistic is not None
+            and (outcome.step + 1) % self.config.rotation.interval == 0
+        ):
+            st = worker.statistic
+            self.client.report(
+                "ReportStatistics",
+                cpb.StatisticsReport(
+                    node_id=self.client.node_id,
+                    plan_epoch=epoch,
+                    stage=outcome.stage,
+                    step=outcome.step,
+                    boundary=outcome.stage - 1,
+                    subspace_version=worker.version,
+                    gram_times_basis_f64_le=st.gram_times_basis.cpu()
+                    .double()
+                    .numpy()
+                    .astype("<f8")
+                    .tobytes(),
+                    off_energy=st.off_energy,
+                    total_energy=st.total_energy,
+                    rows=st.count,
+                ),
+            )

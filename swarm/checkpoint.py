@@ -1,0 +1,181 @@
+"""Stage snapshots: everything one stage needs to resume training exactly after a step.
+
+A snapshot holds the stage's parameters and buffers (the subspace basis among them),
+its optimizer state (AdamW moments, Stiefel momentum), the subspace version, the
+boundary statistic accumulated toward the next rotation, RVQ codebooks, the step, and
+on stage 0 the data position. Restored into a freshly built :class:`StageWorker`, the
+next step computes what it would have computed without the interruption, bit for bit on
+the same machine. The frozen token embedding is not in it (every stage regenerates or
+fetches it once).
+
+:func:`capture` only copies tensors (cheap, between two steps); :func:`to_bytes` does
+the serialisation and can run off the hot path. :class:`SnapshotStore` keeps a node's
+snapshots on disk: atomic writes (temp file, fsync, rename), named by their sha256 and
+verified on every read.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import os
+import re
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from swarm.artifacts import digest
+from swarm.codecs.base import PayloadError
+from swarm.codecs.rvq import ResidualVQ
+from swarm.config import config_hash
+from swarm.data import BatchSampler
+from swarm.worker import StageWorker
+
+SNAPSHOT_FORMAT = 1
+_NAME = re.compile(r"^stage(\d+)-step(\d+)-([0-9a-f]{64})\.snap$")
+
+
+def _clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in state.items()}
+
+
+def _codebook_formats(worker: StageWorker) -> dict[str, ResidualVQ]:
+    formats = {}
+    for side, codec in (("in", worker.inbound), ("out", worker.outbound)):
+        if codec is not None and isinstance(codec.forward_format, ResidualVQ):
+            formats[side] = codec.forward_format
+    return formats
+
+
+def capture(worker: StageWorker, step: int, sampler: BatchSampler | None = None) -> dict[str, Any]:
+    """The state of ``worker`` after optimizer step ``step`` (tensors copied, nothing serialised)."""
+    stat = worker.statistic
+    return {
+        "format": SNAPSHOT_FORMAT,
+        "config_hash": config_hash(worker.config),
+        "stage": worker.index,
+        "step": step,
+        "version": worker.version,
+        "model": _clone(worker.stage.state_dict()),
+        "mapl": {side: _clone(b.state_dict()) for side, b in worker.mapl.items()},
+        "optimizers": [copy.deepcopy(opt.state_dict()) for opt in worker.optimizer.optimizers],
+        "statistic": None
+        if stat is None
+        else {
+            "gram_times_basis": stat.gram_times_basis.clone(),
+            "off_energy": stat.off_energy,
+            "total_energy": stat.total_energy,
+            "count": stat.count,
+        },
+        "codebooks": {side: fmt.snapshot() for side, fmt in _codebook_formats(worker).items()},
+        "sampler": None if sampler is None else sampler.state_dict(),
+    }
+
+
+def to_bytes(state: dict[str, Any]) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    return buffer.getvalue()
+
+
+def from_bytes(data: bytes, device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Parse a snapshot (restricted unpickler: tensors and plain values only)."""
+    try:
+        state = torch.load(io.BytesIO(data), map_location=device, weights_only=True)
+    except Exception as e:  # a corrupt or hostile file: any unpickling error
+        raise PayloadError(f"unreadable stage snapshot: {e}") from None
+    if not isinstance(state, dict) or state.get("format") != SNAPSHOT_FORMAT:
+        raise PayloadError("not a stage snapshot of a known format")
+    return state
+
+
+def restore(worker: StageWorker, state: dict[str, Any], sampler: BatchSampler | None = None) -> int:
+    """Load a :func:`capture` of the same stage and run into a freshly built worker; returns its step."""
+    if state["config_hash"] != config_hash(worker.config) or state["stage"] != worker.index:
+        raise PayloadError(
+            f"snapshot of stage {state['stage']} (config {state['config_hash'][:12]}) "
+            f"cannot restore stage {worker.index}"
+        )
+    worker.stage.load_state_dict(state["model"])
+    for side, boundary in worker.mapl.items():
+        boundary.load_state_dict(state["mapl"][side])
+    for opt, opt_state in zip(worker.optimizer.optimizers, state["optimizers"], strict=True):
+        opt.load_state_dict(opt_state)
+    worker.version, worker.pending_rotation = state["version"], None
+    if worker.statistic is not None:
+        stat, saved = worker.statistic, state["statistic"]
+        stat.gram_times_basis.copy_(saved["gram_times_basis"])
+        stat.off_energy, stat.total_energy, stat.count = (
+            saved["off_energy"],
+            saved["total_energy"],
+            saved["count"],
+        )
+    for side, fmt in _codebook_formats(worker).items():
+        fmt.load_snapshot(state["codebooks"][side])
+    if sampler is not None:
+        sampler.load_state_dict(state["sampler"])
+    return int(state["step"])
+
+
+@dataclass(frozen=True)
+class SnapshotFile:
+    stage: int
+    step: int
+    digest: str
+    path: Path
+
+
+class SnapshotStore:
+    """A node's snapshots under ``root``: ``stage{S}-step{N}-{sha256}.snap``, the last ``keep`` per stage."""
+
+    def __init__(self, root: str | Path, keep: int = 3):
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.keep = keep
+
+    def write(self, stage: int, step: int, data: bytes) -> SnapshotFile:
+        """Write atomically (temp file, fsync, rename, fsync the folder); prune older snapshots."""
+        key = digest(data)
+        path = self.root / f"stage{stage}-step{step:010d}-{key}.snap"
+        fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
+        dir_fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+        for old in self.snapshots(stage)[: -self.keep]:
+            old.path.unlink(missing_ok=True)
+        return SnapshotFile(stage, step, key, path)
+
+    def snapshots(self, stage: int) -> list[SnapshotFile]:
+        """This stage's snapshot files, oldest step first (not verified)."""
+        found = []
+        for path in self.root.glob(f"stage{stage}-step*.snap"):
+            m = _NAME.match(path.name)
+            if m:
+                found.append(SnapshotFile(int(m[1]), int(m[2]), m[3], path))
+        return sorted(found, key=lambda f: f.step)
+
+    def read(self, stage: int, step: int, key: str) -> bytes | None:
+        """The verified bytes of that snapshot, or None if absent or corrupt (a corrupt file is removed)."""
+        path = self.root / f"stage{stage}-step{step:010d}-{key}.snap"
+        try:
+            data = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        if digest(data) != key:
+            path.unlink(missing_ok=True)
+            return None
+        return data

@@ -1,0 +1,222 @@
+"""Runs that survive churn, with real processes, ``kill -9``, SIGSTOP and a restarted coordinator.
+
+Determinism is the witness: on one machine a recovered run must reproduce, step for
+step, the losses of the same run without interruption (here: the single-process
+pipeline on the same batches), because every stage resumes from the same cut with its
+exact parameters, optimizer moments, subspace state and data position.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import sqlite3
+import time
+from pathlib import Path
+
+import pytest
+
+from swarm._proto.swarm.v1 import coordinator_pb2
+from swarm.config import RunConfig
+from swarm.data import BatchSampler, batch_ids, load_dataset
+from swarm.pipeline import LocalPipeline
+from tests.procs import (
+    Proc,
+    coordinator,
+    free_port,
+    node,
+    processes,
+    status,
+    tiny_run,
+    wait_for_nodes,
+    wait_status,
+)
+
+STEPS, INTERVAL, DEAD_AFTER = 80, 5, "4"
+LINK = ("--link-latency-ms", "15")  # slows each step to ~0.1 s, so a kill lands mid-run
+
+
+def churn_config(folder: Path) -> RunConfig:
+    return tiny_run(folder, STEPS, n_stages=3, checkpoint_interval=INTERVAL)
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> list[float]:
+    """Per-step losses of the uninterrupted run (single process, same batches)."""
+    folder = tmp_path_factory.mktemp("reference")
+    config = churn_config(folder)
+    t = config.train
+    sampler = BatchSampler(load_dataset(config, folder / "cache").train, t.batch_size, t.seq_len, t.seed)
+    pipe = LocalPipeline(config)
+    return [pipe.train_step(step, batch_ids(*sampler.next_batch())).loss for step in range(t.steps)]
+
+
+def assert_reproduces(final: coordinator_pb2.StatusReply, reference: list[float]) -> None:
+    losses = [s.loss for s in final.steps]
+    assert [s.step for s in final.steps] == list(range(STEPS))
+    rel = [abs(a - b) / abs(b) for a, b in zip(losses, reference, strict=True)]
+    assert max(rel) < 1e-5, rel
+
+
+def start_nodes(procs: list[Proc], folder: Path, address: str, count: int) -> list[Proc]:
+    """``count`` nodes joining one after another: node i hosts stage i, the rest are standbys."""
+    nodes = []
+    for i in range(count):
+        nodes.append(node(procs, folder, f"n{i}", address, *LINK))
+        wait_for_nodes(address, i + 1)
+    return nodes
+
+
+def host_of(address: str, stage: int) -> str:
+    (name,) = [n.node_name for n in status(address).nodes if n.alive and stage in n.stages]
+    return name
+
+
+def resumed_from(proc: Proc, stage: int) -> list[int]:
+    """The steps ``proc`` started its epochs from while hosting ``stage``."""
+    return [int(m[1]) for m in re.finditer(rf"hosts stages \[{stage}\] .*from step (\d+)\)", proc.stdout())]
+
+
+def run_complete(address: str) -> coordinator_pb2.StatusReply:
+    return wait_status(address, lambda r: r.run_complete, "completed run", 240)
+
+
+def test_standby_replaces_a_killed_node_and_the_run_reproduces_its_losses(tmp_path, reference):
+    with processes() as procs:
+        address = coordinator(procs, tmp_path, churn_config(tmp_path), "--dead-after", DEAD_AFTER)
+        n0, n1, n2, standby = start_nodes(procs, tmp_path, address, 4)
+        assert host_of(address, 1) == "n1"
+        before = wait_status(address, lambda r: r.latest_cut >= 2 * INTERVAL, "two checkpoint cuts", 120)
+        n1.p.kill()
+        killed_at = time.monotonic()
+        final = run_complete(address)
+        for proc in (n0, n2, standby):
+            assert proc.wait(60) == 0, proc.output()
+    assert_reproduces(final, reference)
+    assert final.epochs_restarted >= 1
+    (resume,) = resumed_from(standby, 1)
+    assert resume >= before.latest_cut and resume % INTERVAL == 0
+    assert "finished 80 steps on stages [1]" in standby.stdout()
+    print(f"recovery: resumed at step {resume}, {time.monotonic() - killed_at:.1f}s from kill to run end")
+
+
+def test_a_fresh_node_joining_later_takes_the_dead_nodes_stage(tmp_path, reference):
+    with processes() as procs:
+        address = coordinator(procs, tmp_path, churn_config(tmp_path), "--dead-after", DEAD_AFTER)
+        n0, n1, n2 = start_nodes(procs, tmp_path, address, 3)
+        wait_status(address, lambda r: r.latest_cut >= INTERVAL, "a checkpoint cut", 120)
+        n1.p.kill()
+        time.sleep(10)
+        waiting = status(address)
+        assert not waiting.run_complete and [n.alive for n in waiting.nodes] == [True, False, True]
+        fresh = node(procs, tmp_path, "fresh", address, *LINK)
+        final = run_complete(address)
+        for proc in (n0, n2, fresh):
+            assert proc.wait(60) == 0, proc.output()
+    assert_reproduces(final, reference)
+    assert resumed_from(fresh, 1)[0] >= INTERVAL
+
+
+def test_a_killed_coordinator_restarted_on_its_state_file_resumes_the_run(tmp_path, reference):
+    config, port = churn_config(tmp_path), free_port()
+    with processes() as procs:
+        address = coordinator(procs, tmp_path, config, "--dead-after", DEAD_AFTER, port=port)
+        nodes = start_nodes(procs, tmp_path, address, 3)
+        wait_status(address, lambda r: r.latest_cut >= INTERVAL, "a checkpoint cut", 120)
+        procs[0].p.kill()
+        procs[0].p.wait(10)
+        time.sleep(3)  # the nodes train on (their streams are peer to peer); reports queue up
+        coordinator(procs, tmp_path, config, "--dead-after", DEAD_AFTER, port=port, name="coordinator2")
+        final = run_complete(address)
+        for proc in nodes:
+            assert proc.wait(60) == 0, proc.output()
+    assert_reproduces(final, reference)
+    assert final.epochs_restarted == 0  # a pause, not a failure: nothing was rolled back
+
+
+def test_a_frozen_node_is_replaced_and_fenced_when_it_wakes(tmp_path, reference):
+    with processes() as procs:
+        address = coordinator(procs, tmp_path, churn_config(tmp_path), "--dead-after", DEAD_AFTER)
+        n0, n1, n2, standby = start_nodes(procs, tmp_path, address, 4)
+        wait_status(address, lambda r: r.latest_cut >= INTERVAL, "a checkpoint cut", 120)
+        n1.p.send_signal(signal.SIGSTOP)
+        try:
+            wait_status(
+                address,
+                lambda r: any(n.node_name == "n3" and 1 in n.stages for n in r.nodes),
+                "the standby taking stage 1",
+                60,
+            )
+        finally:
+            n1.p.send_signal(signal.SIGCONT)
+        assert n1.wait(60) == 3, n1.output()
+        assert "node fenced" in n1.stdout() and "replaced" in n1.stdout()
+        final = run_complete(address)
+        for proc in (n0, n2, standby):
+            assert proc.wait(60) == 0, proc.output()
+    assert_reproduces(final, reference)
+
+
+def test_a_corrupted_latest_snapshot_falls_back_to_the_previous_cut(tmp_path, reference):
+    with processes() as procs:
+        address = coordinator(procs, tmp_path, churn_config(tmp_path), "--dead-after", DEAD_AFTER)
+        nodes = start_nodes(procs, tmp_path, address, 4)
+        wait_status(address, lambda r: r.latest_cut >= 2 * INTERVAL, "two checkpoint cuts", 120)
+        for proc in nodes:  # freeze the swarm so that no newer cut completes meanwhile
+            proc.p.send_signal(signal.SIGSTOP)
+        latest = status(address).latest_cut
+        with sqlite3.connect(tmp_path / "state.sqlite") as db:
+            (digest,) = db.execute(
+                "SELECT digest FROM checkpoints WHERE step = ? AND stage = 0", (latest - 1,)
+            ).fetchone()
+        stored = tmp_path / "state.sqlite.artifacts" / f"{digest}.bin"
+        stored.write_bytes(stored.read_bytes()[: stored.stat().st_size // 2])  # truncated
+        nodes[1].p.kill()
+        for proc in nodes:
+            proc.p.send_signal(signal.SIGCONT)
+        final = run_complete(address)
+        for proc in (nodes[0], nodes[2], nodes[3]):
+            assert proc.wait(60) == 0, proc.output()
+    assert_reproduces(final, reference)
+    assert resumed_from(nodes[3], 1) == [latest - INTERVAL]
+    assert "failed its hash check" in (tmp_path / "coordinator.err").read_text()
+
+
+def test_sigterm_leaves_after_a_final_cut_and_the_replacement_loses_nothing(tmp_path, reference):
+    with processes() as procs:
+        address = coordinator(procs, tmp_path, churn_config(tmp_path), "--dead-after", DEAD_AFTER)
+        n0, n1, n2, standby = start_nodes(procs, tmp_path, address, 4)
+        wait_status(address, lambda r: r.steps_completed >= 12, "training progress", 120)
+        n1.p.send_signal(signal.SIGTERM)
+        assert n1.wait(60) == 0, n1.output()
+        assert "left the run after a snapshot cut" in n1.stdout()
+        last_snapshot = max(int(m[1]) for m in re.finditer(r"stage 1 after step (\d+)", n1.stdout()))
+        final = run_complete(address)
+        for proc in (n0, n2, standby):
+            assert proc.wait(60) == 0, proc.output()
+    assert_reproduces(final, reference)
+    # The replacement starts right after the leaver's final snapshot: no step is redone.
+    assert resumed_from(standby, 1) == [last_snapshot + 1]
+
+
+def test_readme_recipe_on_a_busy_cpu_reaps_nobody_during_setup(tmp_path):
+    """Two processes keep both cores busy while the nodes set up (BPE tokenizer, model build)."""
+    hogs = [
+        Proc(["python3", "-c", "while True: pass"], tmp_path / f"hog{i}.err", start_new_session=True)
+        for i in range(2)
+    ]
+    try:
+        config = tiny_run(tmp_path, 6, n_stages=2)
+        config.data.source, config.data.tokenizer = None, "bpe"  # the bundled corpus, as the README
+        with processes() as procs:
+            address = coordinator(procs, tmp_path, config)  # the default --dead-after
+            nodes = [node(procs, tmp_path, f"n{i}", address) for i in range(2)]
+            final = run_complete(address)
+            for proc in nodes:
+                assert proc.wait(60) == 0, proc.output()
+    finally:
+        for hog in hogs:
+            os.killpg(hog.p.pid, signal.SIGKILL)
+            hog.p.wait()
+    assert final.epochs_restarted == 0 and all(n.alive or not n.stages for n in final.nodes)
