@@ -550,8 +550,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 bytes_sent_forward=fwd or 0,
                 bytes_sent_backward=bwd or 0,
                 wall_seconds=wall or 0.0,
+                completed_at=at,
             )
-            for step, loss, tokens, fwd, bwd, wall in self.state.step_summaries(
+            for step, loss, tokens, fwd, bwd, wall, at in self.state.step_summaries(
                 self.config.n_stages, request.since_step
             )
         ]

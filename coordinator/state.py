@@ -171,14 +171,16 @@ class CoordinatorState:
         return -1 if row[0] is None else int(row[0])
 
     def step_summaries(self, n_stages: int, since: int = 0) -> list[tuple]:
-        """(step, loss, tokens, bytes_forward, bytes_backward, wall_seconds) of fully reported steps >= since.
+        """(step, loss, tokens, bytes_forward, bytes_backward, wall_seconds, completed_at) of fully
+        reported steps >= since.
 
         Loss comes from the last stage, tokens from stage 0, bytes are summed over stages
-        (each stage reports what it sent), wall time is the slowest stage's.
+        (each stage reports what it sent), wall time is the slowest stage's, completed_at the
+        unix time of the last report (a redone step keeps only its latest reports).
         """
         return self.db.execute(
             "SELECT step, MAX(loss), MAX(CASE WHEN stage = 0 THEN tokens END), SUM(bytes_forward), "
-            "SUM(bytes_backward), MAX(wall_seconds) FROM steps WHERE step >= ? "
+            "SUM(bytes_backward), MAX(wall_seconds), MAX(at) FROM steps WHERE step >= ? "
             "GROUP BY step HAVING COUNT(*) = ? ORDER BY step",
             (since, n_stages),
         ).fetchall()

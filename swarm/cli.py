@@ -34,6 +34,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--microbatches", type=int)
     g.add_argument("--lr", type=float)
     g.add_argument("--rotate-every", type=int, help="steps between subspace rotations (0: static)")
+    g.add_argument("--checkpoint-every", type=int, help="steps between stage snapshot cuts (0: none)")
     g.add_argument("--corpus", help="text file, folder or JSONL (default: the bundled Shakespeare plays)")
     g.add_argument("--tokenizer", choices=["bpe", "byte"])
     g.add_argument("--seed", type=int)
@@ -60,6 +61,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         ("train", "lr"): args.lr,
         ("train", "seed"): args.seed,
         ("rotation", "interval"): args.rotate_every,
+        ("checkpoint", "interval"): args.checkpoint_every,
         ("data", "source"): args.corpus,
         ("data", "tokenizer"): args.tokenizer,
     }
@@ -105,6 +107,10 @@ def cmd_up(args: argparse.Namespace) -> int:
             link_latency_ms=args.link_latency_ms,
             device=args.device,
             use_dht=not args.no_dht,
+            dead_after=args.dead_after,
+            standbys=args.standbys,
+            chaos_s=args.chaos,
+            chaos_seed=args.seed or 0,
         )
     except KeyboardInterrupt:
         print("\nstopped: every coordinator and node process was terminated")
@@ -118,6 +124,15 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"(bf16 dense {dense}: {dense / s.wire_bytes_per_token:.1f}x less)\n"
         f"logs: {args.run_dir}"
     )
+    if s.chaos is not None:
+        c = s.chaos
+        recovery = f"{c['mean_recovery_s']:.1f} s" if c["mean_recovery_s"] is not None else "n/a"
+        redone = f"{c['mean_steps_redone']:.1f}" if c["mean_steps_redone"] is not None else "n/a"
+        print(
+            f"chaos: {c['kills']} nodes killed, {c['recovered']} recoveries measured, "
+            f"mean recovery {recovery} (kill -> first step completed again), "
+            f"{redone} steps redone per failure, {s.epochs_restarted} epochs restarted"
+        )
     return 0
 
 
@@ -151,6 +166,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", default="cpu", help="device of every node (auto picks CUDA when present)")
     p.add_argument("--run-dir", default="runs/up", help="folder for logs, caches and coordinator state")
     p.add_argument("--no-dht", action="store_true", help="skip hivemind discovery")
+    p.add_argument("--standbys", type=int, default=0, help="extra nodes waiting to replace a lost one")
+    p.add_argument(
+        "--chaos",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="kill -9 a random stage-hosting node this often (a fresh node joins in its place)",
+    )
+    p.add_argument(
+        "--dead-after", type=float, default=15.0, help="seconds without a heartbeat before a node is dead"
+    )
     p.set_defaults(func=cmd_up)
     p = sub.add_parser("bench", help="run the benchmarks; write JSON, a Markdown report and plots")
     p.add_argument("--quick", action="store_true", help="small smoke run (a few minutes; what CI runs)")

@@ -11,6 +11,10 @@ The processes may also run elsewhere, e.g. each in its own network namespace
 coordinator started behind a prefix may be unreachable from here, so the launcher then
 also starts a :func:`relay` behind the same prefix, from a Unix socket (the file
 system is shared across network namespaces) to the coordinator, and polls through it.
+
+With ``chaos_s`` a :class:`~swarm.chaos.ChaosMonkey` ``kill -9``s a random stage-hosting
+node every ``chaos_s`` seconds and starts a fresh node in its place (a volunteer coming
+back), so the run keeps its standbys; the summary reports what each kill cost.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ import grpc
 from tqdm import tqdm
 
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
+from swarm.chaos import ChaosMonkey
 
 if TYPE_CHECKING:  # not imported at run time: the relay process starts without torch
     from swarm.config import RunConfig
@@ -55,6 +60,8 @@ class SwarmSummary:
     boundaries: int
     node_logs: list[Path] = field(default_factory=list)
     step_summaries: list = field(default_factory=list)  # coordinator_pb2.StepSummary per step
+    epochs_restarted: int = 0
+    chaos: dict | None = None  # ChaosMonkey.summary() when nodes were killed on purpose
 
     @property
     def tokens_per_second(self) -> float:
@@ -158,6 +165,9 @@ def up(
     node_host: Callable[[int], str] | None = None,
     coordinator_prefix: list[str] | None = None,
     coordinator_host: str | None = None,
+    standbys: int = 0,
+    chaos_s: float = 0.0,
+    chaos_seed: int = 0,
 ) -> SwarmSummary:
     """Run ``config`` on a local swarm; returns when every node has finished (or raises).
 
@@ -165,7 +175,8 @@ def up(
     coordinator run behind (e.g. ``ip netns exec NS``); ``node_host(i)`` /
     ``coordinator_host``: the address each binds and announces (default: no prefix, 127.0.0.1).
     ``dead_after``: seconds without a heartbeat before the coordinator drops a node (raise it
-    for very slow links, where heartbeats queue behind the frames).
+    for very slow links, where heartbeats queue behind the frames). ``standbys``: extra nodes
+    that wait to replace a lost one. ``chaos_s > 0``: kill a random stage host that often.
     """
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -198,7 +209,8 @@ def up(
             _tee(relay_proc, run / "relay.log", relay_lines)
             status_address = _wait_for_line(relay_lines, RELAYING, relay_proc, 60).group(1)
         node_procs, logs = [], []
-        for i in range(nodes):
+
+        def start_node(i: int) -> None:
             args = [*(launch_prefix(i) if launch_prefix else []), py, "-m", "node.cli", "join"]
             args += ["--coordinator", address, "--token", token]
             args += ["--listen", f"{node_host(i)}:0"] if node_host else []
@@ -223,18 +235,46 @@ def up(
             _tee(proc, run / f"node{i}.log", [])
             node_procs.append(proc)
             logs.append(run / f"node{i}.log")
+
+        for i in range(nodes + standbys):
+            start_node(i)
         start = time.monotonic()
         poller = StatusPoller(status_address)
+        chaos = ChaosMonkey(chaos_s, chaos_seed) if chaos_s > 0 else None
+        killed: set[int] = set()
+
+        def churn() -> None:
+            """When due, kill a random stage host (kill -9) and start a fresh node in its place."""
+            chaos.observe({s.step: s.completed_at for s in poller.steps})
+            hosts = [n.node_name for n in poller.nodes if n.alive and n.stages]
+            if not chaos.due() or not hosts or poller.run_complete:
+                return
+            name = chaos.pick(hosts)
+            index = int(name.removeprefix("node"))
+            node_procs[index].kill()
+            killed.add(index)
+            chaos.killed(name, len(poller.steps) - 1)
+            start_node(len(node_procs))
+
         try:
-            _follow(config, poller, node_procs, progress, timeout)
+            _follow(config, poller, node_procs, progress, timeout, killed, churn if chaos else None)
         finally:
             poller.close()
         seconds = time.monotonic() - start
-        failed = [(i, p.returncode) for i, p in enumerate(node_procs) if p.returncode not in (0, None)]
+        failed = [
+            (i, p.returncode)
+            for i, p in enumerate(node_procs)
+            if p.returncode not in (0, None) and i not in killed
+        ]
         if failed:
             detail = "\n".join(f"node{i}: {_last_error(run / f'node{i}.err')}" for i, _ in failed)
             raise RuntimeError(f"nodes failed (index, exit code): {failed}; logs in {run}\n{detail}")
-        return _summary(config, poller.steps, seconds, logs)
+        summary = _summary(config, poller.steps, seconds, logs)
+        summary.epochs_restarted = poller.epochs_restarted
+        if chaos is not None:
+            chaos.observe({s.step: s.completed_at for s in poller.steps})
+            summary.chaos = chaos.summary() | {"kills_detail": [vars(k) for k in chaos.kills]}
+        return summary
     finally:
         group.stop()
         if coordinator_prefix:
@@ -269,35 +309,49 @@ async def relay(socket_path: str, target: str) -> None:
 
 
 class StatusPoller:
-    """Collects the coordinator's per-step summaries as the run progresses."""
+    """Collects the coordinator's per-step summaries (redone steps: their latest run) as the run goes."""
 
     def __init__(self, address: str):
         self.channel = grpc.insecure_channel(address)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.steps: list[coordinator_pb2.StepSummary] = []
+        self.nodes: list[coordinator_pb2.NodeStatus] = []
+        self.run_complete = False
+        self.epochs_restarted = 0
 
     def poll(self) -> list[coordinator_pb2.StepSummary]:
-        """The steps completed since the last poll."""
-        since = self.steps[-1].step + 1 if self.steps else 0
-        reply = self.stub.Status(coordinator_pb2.StatusRequest(since_step=since), timeout=10)
-        self.steps.extend(reply.steps)
-        return list(reply.steps)
+        """The steps completed for the first time since the last poll."""
+        reply = self.stub.Status(coordinator_pb2.StatusRequest(since_step=0), timeout=10)
+        new = list(reply.steps[len(self.steps) :])
+        self.steps = list(reply.steps)
+        self.nodes, self.run_complete = list(reply.nodes), reply.run_complete
+        self.epochs_restarted = reply.epochs_restarted
+        return new
 
     def close(self) -> None:
         self.channel.close()
 
 
 def _follow(
-    config: RunConfig, poller: StatusPoller, procs: list[subprocess.Popen], progress: bool, timeout: float
+    config: RunConfig,
+    poller: StatusPoller,
+    procs: list[subprocess.Popen],
+    progress: bool,
+    timeout: float,
+    killed: set[int] = frozenset(),
+    churn: Callable[[], None] | None = None,
 ):
-    """Show step, loss, tokens/s and wire bytes/token until every node has exited."""
+    """Show step, loss, tokens/s and wire bytes/token until every node has exited (``churn``: kill
+    a node whenever the chaos monkey says so)."""
     bar = tqdm(total=config.train.steps, disable=not progress, desc="swarm", unit="step")
     deadline, t0 = time.monotonic() + timeout, time.monotonic()
     boundaries = max(1, config.n_stages - 1)
     try:
         while any(p.poll() is None for p in procs):
-            if any(p.poll() not in (None, 0) for p in procs):
+            if any(p.poll() not in (None, 0) for i, p in enumerate(procs) if i not in killed):
                 return
+            if churn is not None:
+                churn()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the swarm did not finish within {timeout}s")
             time.sleep(0.5)

@@ -210,7 +210,9 @@ def test_readme_recipe_on_a_busy_cpu_reaps_nobody_during_setup(tmp_path):
         config = tiny_run(tmp_path, 6, n_stages=2)
         config.data.source, config.data.tokenizer = None, "bpe"  # the bundled corpus, as the README
         with processes() as procs:
-            address = coordinator(procs, tmp_path, config)  # the default --dead-after
+            # 5 s, not the default 15: setup on the loaded cores takes longer than that, so a node
+            # whose heartbeats waited for setup (as they once did) would be reaped here.
+            address = coordinator(procs, tmp_path, config, "--dead-after", "5")
             nodes = [node(procs, tmp_path, f"n{i}", address) for i in range(2)]
             final = run_complete(address)
             for proc in nodes:

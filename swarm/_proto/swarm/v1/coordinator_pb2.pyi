@@ -331,20 +331,22 @@ class StatusRequest(_message.Message):
     def __init__(self, since_step: _Optional[int] = ...) -> None: ...
 
 class StepSummary(_message.Message):
-    __slots__ = ("step", "loss", "tokens", "bytes_sent_forward", "bytes_sent_backward", "wall_seconds")
+    __slots__ = ("step", "loss", "tokens", "bytes_sent_forward", "bytes_sent_backward", "wall_seconds", "completed_at")
     STEP_FIELD_NUMBER: _ClassVar[int]
     LOSS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_FORWARD_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_BACKWARD_FIELD_NUMBER: _ClassVar[int]
     WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    COMPLETED_AT_FIELD_NUMBER: _ClassVar[int]
     step: int
     loss: float
     tokens: int
     bytes_sent_forward: int
     bytes_sent_backward: int
     wall_seconds: float
-    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
+    completed_at: float
+    def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ..., completed_at: _Optional[float] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
     __slots__ = ("node_id", "node_name", "address", "stages", "last_heartbeat_age_s", "alive", "device", "phase", "plan_epoch")
