@@ -108,6 +108,7 @@ def markdown(r: dict) -> str:
         ),
         "",
         *_peer_section(r),
+        *_churn_section(r),
         f"Section times (s): {', '.join(f'{k} {v:.0f}' for k, v in r['seconds'].items())}.",
     ]
     return "\n".join(out) + "\n"
@@ -139,6 +140,35 @@ def _peer_section(r: dict) -> list[str]:
                 ("swarm dense bf16", "dense bf16", ".0f"),
                 ("swarm subspace bf16", "subspace bf16", ".0f"),
                 ("subspace / peer", "subspace bf16 / peer", ".2f"),
+            ],
+        ),
+        "",
+    ]
+
+
+def _churn_section(r: dict) -> list[str]:
+    if "churn" not in r:
+        return []
+    plan = r["plan"]["churn"]
+    return [
+        "## Churn: a random stage host killed (kill -9) every few seconds",
+        f"{plan['n_stages']} stages + {plan['standbys']} standby (a fresh node joins for each one "
+        f"killed), snapshot cut every {plan['checkpoint_interval']} steps, death timeout "
+        f"{plan['dead_after_s']:.0f} s, {plan['link_latency_ms']:.0f} ms one-way delay. Tokens/s over "
+        "the whole run (wall clock, so recoveries count); recovery: kill to the first redone step "
+        "completing again.",
+        "",
+        _table(
+            r["churn"],
+            [
+                ("churn", "churn", ""),
+                ("tokens/s", "tokens_per_s", ".0f"),
+                ("retained", "retained", ".0%"),
+                ("kills", "kills", ""),
+                ("epochs restarted", "epochs_restarted", ""),
+                ("mean recovery s", "mean_recovery_s", ".1f"),
+                ("max recovery s", "max_recovery_s", ".1f"),
+                ("steps redone / failure", "mean_steps_redone", ".1f"),
             ],
         ),
         "",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench import convergence, overhead, peer, report, throughput, wire
+from bench import churn, convergence, overhead, peer, report, throughput, wire
 from bench.codecs import CodecCase, codec_cases
 from bench.throughput import Link
 from swarm.config import MODEL_PRESETS, ModelConfig, RunConfig, TrainConfig
@@ -41,6 +41,7 @@ class BenchPlan:
     wire_tokens: int = 4096
     shaper: str = "netns"
     peer: bool = True
+    churn: churn.ChurnPlan | None = None
 
 
 def plan(quick: bool) -> BenchPlan:
@@ -60,6 +61,13 @@ def plan(quick: bool) -> BenchPlan:
             wire_tokens=1024,
             shaper="transport",
             peer=False,
+            churn=churn.ChurnPlan(
+                model=tiny,
+                train=TrainConfig(steps=150, batch_size=4, seq_len=32, microbatches=2),
+                n_stages=3,
+                kill_every_s=10,
+                checkpoint_interval=5,
+            ),
         )
     small = MODEL_PRESETS["small"]
     return BenchPlan(
@@ -83,6 +91,13 @@ def plan(quick: bool) -> BenchPlan:
             Link("200 Mbit/s", 200),
             Link("1 Gbit/s", 1000),
         ],
+        churn=churn.ChurnPlan(
+            model=small,
+            train=TrainConfig(steps=300, batch_size=8, seq_len=128, microbatches=2),
+            n_stages=4,
+            kill_every_s=20,
+            checkpoint_interval=10,
+        ),
     )
 
 
@@ -141,6 +156,8 @@ def sections(p: BenchPlan, quick: bool) -> dict[str, Callable[[], object]]:
     }
     if p.peer:
         out["peer"] = run_peer
+    if p.churn is not None:
+        out["churn"] = lambda: churn.run(p.churn)
     return out
 
 

@@ -35,19 +35,20 @@ from coordinator.assignment import assign, links_for, stages_of
 from coordinator.rotation import Rejected, RotationCollector
 from coordinator.state import CheckpointRecord, CoordinatorState, NodeRecord, SavedStatistic
 from coordinator.store import ArtifactStore, UploadError
-from swarm._proto.swarm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc
+from swarm._proto.swarm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from swarm.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
 from swarm.codecs.base import PayloadError
 from swarm.config import RunConfig, config_hash
 from swarm.metrics import Metrics
 from swarm.subspace import SubspaceRotation, initial_artifacts
-from swarm.transport.channel import server_options
+from swarm.transport.channel import insecure_channel, server_options
 from swarm.transport.frames import PROTOCOL_VERSION, rotation_to_proto
 
 log = logging.getLogger("swarm.coordinator")
 
 MAX_SNAPSHOT_BYTES = 16 << 30
 RESUME_GRACE_S = 10.0
+PROBE_TIMEOUT_S = 2.0  # a node that does not answer a Ping this fast after a failure report is dead
 # Rejection label -> gRPC status: a fenced node must stop, a stale epoch only drops the call.
 _REJECTION_STATUS = {
     "unknown_node": grpc.StatusCode.PERMISSION_DENIED,
@@ -366,10 +367,27 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         except Rejected as e:
             if e.label != "stale_epoch":  # a failure of an old epoch is already handled
                 await self._refuse(context, e)
+            return coordinator_pb2.FailureAck(plan_epoch=self.plan_epoch)
+        peer = self._alive_node(request.peer_node_id)
+        answered = peer is None or not peer.address or await self._answers(peer.address)
+        # Re-check after the probe: the epoch may have moved on meanwhile.
+        if self.run_complete or request.plan_epoch != self.plan_epoch:
+            return coordinator_pb2.FailureAck(plan_epoch=self.plan_epoch)
+        if not answered and peer.alive:
+            log.info("node %s does not answer after a failure report: declared dead", peer.id[:8])
+            self._remove(peer)
         else:
-            if not self.run_complete:
-                self._start_epoch(f"node {request.node_id[:8]}: {request.reason}")
+            self._start_epoch(f"node {request.node_id[:8]}: {request.reason}")
         return coordinator_pb2.FailureAck(plan_epoch=self.plan_epoch)
+
+    async def _answers(self, address: str) -> bool:
+        """Whether a node's Stage service answers a Ping within ``PROBE_TIMEOUT_S``."""
+        async with insecure_channel(address) as channel:
+            try:
+                await stage_pb2_grpc.StageStub(channel).Ping(stage_pb2.PingRequest(), timeout=PROBE_TIMEOUT_S)
+            except grpc.aio.AioRpcError:
+                return False
+        return True
 
     async def RequestCut(self, request, context):
         try:

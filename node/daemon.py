@@ -27,8 +27,8 @@ import contextlib
 import json
 import logging
 import socket
+import threading
 from dataclasses import dataclass
-from functools import cache
 
 import grpc
 import torch
@@ -53,6 +53,12 @@ from swarm.transport.frames import PROTOCOL_VERSION
 log = logging.getLogger("swarm-node")
 
 
+def _peer_across(plan: cpb.Plan, error: Exception) -> str:
+    """The node across the boundary a :class:`LinkError` names ("" when it names none)."""
+    boundary = getattr(error, "boundary", None)
+    return next((link.peer_node_id for link in plan.links if link.boundary == boundary), "")
+
+
 @dataclass
 class NodeResult:
     node_id: str
@@ -74,6 +80,8 @@ class NodeDaemon:
         self.leaving = asyncio.Event()
         self._cuts_taken = 0
         self._final_cut: int | None = None  # the cut this node stopped at to leave
+        self._dataset_lock = threading.Lock()  # builds run in threads; a cancelled one may still load
+        self._loaded_dataset: TokenDataset | None = None
         self._tasks: list[asyncio.Task] = []
 
     # -- main -------------------------------------------------------------------------------
@@ -230,7 +238,10 @@ class NodeDaemon:
                     )
                 if self.client.plan.epoch == plan.epoch:
                     request = cpb.FailureReport(
-                        node_id=self.node_id, plan_epoch=plan.epoch, reason=str(e)[:500]
+                        peer_node_id=_peer_across(plan, e),
+                        node_id=self.node_id,
+                        plan_epoch=plan.epoch,
+                        reason=str(e)[:500],
                     )
                     await self.client.call("ReportFailure", request)
                 return "failed"
@@ -272,9 +283,12 @@ class NodeDaemon:
             return True
         return False
 
-    @cache  # noqa: B019 - one dataset per daemon, loaded on first use
     def _dataset(self) -> TokenDataset:
-        return load_dataset(self.config, self.settings.data_dir / "data-cache")
+        """The run's dataset, loaded on first use (stage 0 only), once even if epochs overlap."""
+        with self._dataset_lock:
+            if self._loaded_dataset is None:
+                self._loaded_dataset = load_dataset(self.config, self.settings.data_dir / "data-cache")
+            return self._loaded_dataset
 
     # -- joining ----------------------------------------------------------------------------
 

@@ -132,7 +132,7 @@ class LinkManager:
                 await asyncio.wait_for(asyncio.shield(future), timeout=timeout)
             except TimeoutError:
                 raise LinkError(
-                    f"boundary {b}: the neighbour did not dial in within {timeout:.0f}s"
+                    f"boundary {b}: the neighbour did not dial in within {timeout:.0f}s", b
                 ) from None
             say(f"boundary {b}: accepted stream from stage {self.peer_of(b).stage}")
 

@@ -37,7 +37,11 @@ Deliver = Callable[[Item], None]
 
 
 class LinkError(RuntimeError):
-    """The peer refused the stream or reported an error on it."""
+    """The peer refused the stream or reported an error on it; ``boundary`` says which, when known."""
+
+    def __init__(self, message: str, boundary: int | None = None):
+        super().__init__(message)
+        self.boundary = boundary
 
 
 @dataclass(frozen=True)
@@ -188,7 +192,9 @@ class StageLink:
         try:
             await self._raw_write(msg)
         except Exception as e:  # grpc raises AioRpcError or its internal ExecuteBatchError here
-            raise LinkError(f"boundary {self.boundary}: the stream to the peer is closed ({e})") from None
+            raise LinkError(
+                f"boundary {self.boundary}: the stream to the peer is closed ({e})", self.boundary
+            ) from None
 
     async def send(self, item: Item) -> int:
         """Send one item; returns its serialized size (what crossed the wire)."""
@@ -239,16 +245,17 @@ class StageLink:
         ``fail`` as a :class:`LinkError`, so a stage waiting for this neighbour stops at
         once instead of at its step timeout (items delivered before stay queued ahead of it).
         """
+        b = self.boundary
         try:
             await self.read_into(deliver)
         except LinkError as e:
-            log.error("boundary %d failed: %s", self.boundary, e)
-            fail(e)
+            log.error("boundary %d failed: %s", b, e)
+            fail(LinkError(str(e), b))
         except grpc.aio.AioRpcError as e:
-            log.error("boundary %d failed: %s", self.boundary, e.details())
-            fail(LinkError(f"boundary {self.boundary}: stream broke: {e.code().name}: {e.details()}"))
+            log.error("boundary %d failed: %s", b, e.details())
+            fail(LinkError(f"boundary {b}: stream broke: {e.code().name}: {e.details()}", b))
         else:
-            fail(LinkError(f"boundary {self.boundary}: the peer closed the stream"))
+            fail(LinkError(f"boundary {b}: the peer closed the stream", b))
 
     async def close(self) -> None:
         """Flush the emulated link, then half-close the stream (dialling side)."""
@@ -303,7 +310,7 @@ async def dial(
         except (TimeoutError, grpc.aio.AioRpcError, _NotYet) as e:
             await channel.close()
             if loop.time() > deadline:
-                raise LinkError(f"boundary {boundary}: could not reach {address}: {e}") from None
+                raise LinkError(f"boundary {boundary}: could not reach {address}: {e}", boundary) from None
             await asyncio.sleep(0.3)
         except LinkError:
             await channel.close()

@@ -23,7 +23,7 @@ class Timeouts:
     connect_s: float = 60.0  # opening a boundary stream: dial retries, or waiting to be dialled
     step_s: float = 300.0  # a neighbour silent this long inside a step fails the step
     rotation_s: float = 600.0  # waiting for a subspace rotation the coordinator computes
-    failure_grace_s: float = 3.0  # after a broken boundary, wait this long for a new plan before reporting it
+    failure_grace_s: float = 1.0  # after a broken boundary, wait this long for a new plan before reporting it
     unreachable_grace_s: float = 2.0  # stay joined this long after finding no way to a peer (it learns too)
     leave_s: float = 120.0  # graceful leave: longest wait for the final cut before leaving anyway
     upload_chunk_bytes: int = 1 << 20
