@@ -24,4 +24,11 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     links = {row["link"] for row in results["throughput"]}
     assert "loopback (compute-only)" in links and len(links) == 2
     assert all(row["tokens_per_s"] > 0 for row in results["throughput"])
+    calm, churned = results["churn"]
+    assert calm["kills"] == 0 and calm["steps"] == churned["steps"] == 150
+    # Every kill was recovered from (a fresh node took the stage) and cost at most a cut's worth of steps.
+    assert churned["kills"] >= 1 and churned["recoveries"] == churned["kills"]
+    assert all(0 <= k["steps_redone"] <= 5 for k in churned["kills_detail"])
+    assert 0 < churned["retained"] < 1.5
+    assert "## Churn" in (tmp_path / "results.md").read_text()
     assert "benchmarks done" in capsys.readouterr().out
