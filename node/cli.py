@@ -113,7 +113,9 @@ async def _run(settings: NodeSettings, linger_s: float = 0.0) -> int:
         say(f"node gave up: {e}")
         return 4
     if result.left_early:
-        say(f"node {result.node_id[:8]} left the run after a snapshot cut (stages {result.stages})")
+        cut = result.final_cut
+        where = f" after a snapshot cut at step {cut} (stages {result.stages})" if cut is not None else ""
+        say(f"node {result.node_id[:8]} left the run{where}")
         return 0
     say(f"node {result.node_id[:8]} finished {result.steps} steps on stages {result.stages}")
     if linger_s > 0 and settings.metrics_port >= 0:

@@ -66,6 +66,7 @@ class NodeResult:
     steps: int
     embedding_fetched: bool
     left_early: bool = False
+    final_cut: int | None = None  # the step of the snapshot cut it left after, if any
 
 
 class NodeDaemon:
@@ -131,12 +132,19 @@ class NodeDaemon:
                 await asyncio.wait_for(
                     self._cut_complete(self._final_cut), timeout=self.settings.timeouts.leave_s
                 )
-        reason = "run complete" if finished else "leaving at a snapshot cut"
+        reason = "run complete" if finished else "leaving (SIGTERM)"
         with contextlib.suppress(grpc.aio.AioRpcError, Fenced):
             await self.client.call(
                 "Leave", cpb.LeaveRequest(node_id=self.node_id, reason=reason), retry=False
             )
-        return NodeResult(self.node_id, hosted, self.config.train.steps, fetched, left_early=not finished)
+        return NodeResult(
+            self.node_id,
+            hosted,
+            self.config.train.steps,
+            fetched,
+            not finished,
+            None if finished else self._final_cut,
+        )
 
     async def _cut_complete(self, step: int) -> None:
         """Until every stage's snapshot of ``step`` is stored: then leaving loses nothing."""
@@ -219,6 +227,8 @@ class NodeDaemon:
             while not session.done():
                 change = asyncio.create_task(self.client.wait_change())
                 await asyncio.wait({session, change}, return_when=asyncio.FIRST_COMPLETED)
+                if change.done():
+                    change.exception()  # retrieved here; a fatal one is raised just below
                 change.cancel()
                 if self.client.fatal is not None:
                     raise self.client.fatal

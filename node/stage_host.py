@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import Callable
 
 import torch
@@ -71,14 +72,16 @@ class Checkpointer:
         stage, step = state["stage"], state["step"]
         data = await asyncio.to_thread(checkpoint.to_bytes, state)
         saved = await asyncio.to_thread(self.store.write, stage, step, data)
+        start = time.perf_counter()
         await self.client.upload(saved.digest, data)
+        seconds = time.perf_counter() - start
         self.metrics.checkpoint_step.set(step)
         ref = cpb.StageCheckpoint(stage=stage, step=step, digest=saved.digest, size=len(data))
         self.client.report(
             "ReportCheckpoint",
             cpb.CheckpointReport(node_id=self.client.node_id, plan_epoch=epoch, checkpoint=ref),
         )
-        say(f"snapshot of stage {stage} after step {step}: {len(data)} bytes, uploaded")
+        say(f"snapshot of stage {stage} after step {step}: {len(data)} bytes, uploaded in {seconds:.2f} s")
 
 
 class StageHost:

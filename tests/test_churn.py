@@ -207,7 +207,7 @@ def test_sigterm_leaves_after_a_final_cut_and_the_replacement_loses_nothing(tmp_
         wait_status(address, lambda r: r.steps_completed >= 12, "training progress", 120)
         n1.p.send_signal(signal.SIGTERM)
         assert n1.wait(60) == 0, n1.output()
-        assert "left the run after a snapshot cut" in n1.stdout()
+        assert "left the run after a snapshot cut at step" in n1.stdout()
         last_snapshot = max(int(m[1]) for m in re.finditer(r"stage 1 after step (\d+)", n1.stdout()))
         final = run_complete(address)
         for proc in (n0, n2, standby):
