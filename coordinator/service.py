@@ -98,6 +98,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.checkpoints = {(r.step, r.stage): r for r in self.state.checkpoints()}
         self.completed = self.state.completed_step(config.n_stages)
         self.cut_requests = 0
+        self.leaving: set[str] = set()  # nodes that asked for a final cut and will Leave after it
         fixed, basis = initial_artifacts(config)
         embedding = matrix_to_bytes(fixed)
         self.embedding_digest = digest(embedding)
@@ -356,6 +357,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def Leave(self, request, context):
         node = self._alive_node(request.node_id)
+        self.leaving.discard(request.node_id)
         if node is not None:
             log.info("node %s leaves: %s", node.id[:8], request.reason or "no reason given")
             self._remove(node)
@@ -369,7 +371,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 await self._refuse(context, e)
             return coordinator_pb2.FailureAck(plan_epoch=self.plan_epoch)
         peer = self._alive_node(request.peer_node_id)
-        answered = peer is None or not peer.address or await self._answers(peer.address)
+        if peer is not None and peer.id in self.leaving:
+            # A leaving node closed its streams after its final cut; its Leave starts the next epoch
+            # from that cut (a new epoch now would drop the cut's snapshots still on their way).
+            return coordinator_pb2.FailureAck(plan_epoch=self.plan_epoch)
+        answered = peer is None or not peer.address or await self._answers(peer)
         # Re-check after the probe: the epoch may have moved on meanwhile.
         if self.run_complete or request.plan_epoch != self.plan_epoch:
             return coordinator_pb2.FailureAck(plan_epoch=self.plan_epoch)
@@ -380,14 +386,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._start_epoch(f"node {request.node_id[:8]}: {request.reason}")
         return coordinator_pb2.FailureAck(plan_epoch=self.plan_epoch)
 
-    async def _answers(self, address: str) -> bool:
-        """Whether a node's Stage service answers a Ping within ``PROBE_TIMEOUT_S``."""
-        async with insecure_channel(address) as channel:
+    async def _answers(self, node: NodeRecord) -> bool:
+        """Whether a node is alive after all: it answers a Ping within ``PROBE_TIMEOUT_S``, or, failing
+        that, still heartbeats for two more intervals (its port may just be out of our reach)."""
+        async with insecure_channel(node.address) as channel:
             try:
                 await stage_pb2_grpc.StageStub(channel).Ping(stage_pb2.PingRequest(), timeout=PROBE_TIMEOUT_S)
+                return True
             except grpc.aio.AioRpcError:
-                return False
-        return True
+                pass
+        silent_for = 2 * self.heartbeat_interval_ms / 1000
+        seen = self.last_seen[node.id]
+        await asyncio.sleep(max(0.0, seen + silent_for - time.monotonic()))
+        return self.last_seen[node.id] > seen
 
     async def RequestCut(self, request, context):
         try:
@@ -395,6 +406,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         except Rejected as e:
             await self._refuse(context, e)
         self.cut_requests += 1
+        self.leaving.add(request.node_id)
         return coordinator_pb2.CutAck()
 
     async def GetRunConfig(self, request, context):

@@ -34,7 +34,8 @@ from swarm.transport.frames import rotation_from_proto
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNKNOWN}
+# UNKNOWN is not retried: it is what a handler bug looks like, not an unreachable coordinator.
+RETRYABLE = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED}
 
 
 class Fenced(RuntimeError):
@@ -72,14 +73,27 @@ class CoordinatorClient:
         method = getattr(self.stub, name)
         return await self._retrying(name, lambda: method(request, timeout=self.timeouts.rpc_s), retry)
 
-    async def _retrying(self, what: str, attempt: Callable[[], Awaitable[T]], retry: bool = True) -> T:
+    async def _retrying(
+        self,
+        what: str,
+        attempt: Callable[[], Awaitable[T]],
+        retry: bool = True,
+        progress: Callable[[], int] | None = None,
+    ) -> T:
+        """``attempt()`` until it succeeds; the give-up clock restarts whenever ``progress()`` grows
+        (bytes moved), so a long transfer that keeps moving is never cut off."""
         t = self.timeouts
         loop = asyncio.get_running_loop()
         deadline, delay = loop.time() + t.coordinator_down_s, t.retry_initial_s
+        done = progress() if progress else 0
         while True:
+            if self.fatal is not None:
+                raise self.fatal
             try:
                 return await attempt()
             except grpc.aio.AioRpcError as e:
+                if progress is not None and progress() > done:
+                    done, deadline, delay = progress(), loop.time() + t.coordinator_down_s, t.retry_initial_s
                 if e.code() == grpc.StatusCode.PERMISSION_DENIED:
                     self._fence(e.details())
                 if not retry or e.code() not in RETRYABLE:
@@ -249,7 +263,7 @@ class CoordinatorClient:
                 parts.append(chunk.data)
                 received += len(chunk.data)
 
-        await self._retrying(f"fetch {key[:12]}", attempt)
+        await self._retrying(f"fetch {key[:12]}", attempt, progress=lambda: received)
         data = b"".join(parts)
         if len(data) != size or digest(data) != key:
             raise RuntimeError(f"fetched artifact does not match digest {key[:12]} / size {size}")
@@ -258,11 +272,14 @@ class CoordinatorClient:
     async def upload(self, key: str, data: bytes) -> None:
         """Upload an artifact in chunks, resuming after what the coordinator already holds."""
         chunk_bytes = self.timeouts.upload_chunk_bytes
+        held = 0
 
         async def attempt() -> None:
+            nonlocal held
             status = await self.stub.ArtifactStatus(
                 cpb.ArtifactRequest(digest=key, node_id=self.node_id), timeout=self.timeouts.rpc_s
             )
+            held = status.held
             if status.complete:
                 return
             chunks = [
@@ -280,4 +297,4 @@ class CoordinatorClient:
                 raise RuntimeError(f"upload of {key[:12]} ended at {reply.held} of {len(data)} bytes")
             self.metrics.checkpoint_bytes.inc(len(data) - status.held)
 
-        await self._retrying(f"upload {key[:12]}", attempt)
+        await self._retrying(f"upload {key[:12]}", attempt, progress=lambda: held)

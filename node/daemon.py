@@ -164,9 +164,21 @@ class NodeDaemon:
         plan = self.client.plan
         if plan is not None and plan.stages and not self.client.run_complete:
             say("leaving: asking for a snapshot cut first")
-            request = cpb.CutRequest(node_id=self.node_id, plan_epoch=plan.epoch)
-            self._tasks.append(asyncio.create_task(self.client.call("RequestCut", request)))
+            self._tasks.append(asyncio.create_task(self._request_cut()))
         self.client.notify()
+
+    async def _request_cut(self) -> None:
+        """Ask for a cut under the current epoch; again if the epoch moved before it was taken."""
+        while self.client.fatal is None:
+            request = cpb.CutRequest(node_id=self.node_id, plan_epoch=self.client.plan.epoch)
+            try:
+                await self.client.call("RequestCut", request)
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() != grpc.StatusCode.ABORTED:
+                    log.warning("cut request refused: %s", e.details())
+                    return
+            await asyncio.sleep(0.5)
 
     # -- epochs -----------------------------------------------------------------------------
 
@@ -202,8 +214,10 @@ class NodeDaemon:
             outcome = await self._run_epoch(plan, fixed)
             if outcome == "finished":
                 finished_epoch = plan.epoch
-                await self._flush()
-                await self.client.heartbeat()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._flush(), self.settings.timeouts.leave_s)
+                with contextlib.suppress(grpc.aio.AioRpcError):  # the heartbeat loop retries anyway
+                    await self.client.heartbeat()
             elif outcome == "left":
                 return hosted, False
             elif outcome == "failed":
@@ -270,7 +284,7 @@ class NodeDaemon:
             self.checkpointer,
             self.metrics,
             self._dataset,
-            self.settings.timeouts.step_s,
+            self.settings.timeouts,
         )
         await host.build()
         links = LinkManager(
@@ -287,8 +301,9 @@ class NodeDaemon:
             await links.close()
 
     def _take_cut_request(self) -> bool:
-        """Stage 0: whether a new cut request arrived since the last step it marked."""
-        if self.client.cut_requests > self._cuts_taken:
+        """Stage 0: whether a new cut request arrived since the last step it marked (``!=``: a
+        restarted coordinator counts from 0 again; a spurious cut then costs one snapshot)."""
+        if self.client.cut_requests != self._cuts_taken:
             self._cuts_taken = self.client.cut_requests
             return True
         return False

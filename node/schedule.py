@@ -127,9 +127,6 @@ class StageRunner:
         if self.rotation_ready is not None:
             await self.rotation_ready(step)
         w.begin_step(step)
-        if self.upstream is not None and w.inbound.forward_format.name == "rvq" and step > 0:
-            sync = await self._get(self._syncs_up, "codebook delta", step)
-            w.apply_codebook_delta(sync.codebook_delta)
         fwd_wire = bwd_wire = 0
         if w.is_first:
             for mb, ids in enumerate(self.batch_for_step(step).chunk(n_micro)):
@@ -157,6 +154,11 @@ class StageRunner:
         delta = await asyncio.to_thread(w.codebook_delta)
         if delta is not None:
             await self.downstream.send(BoundarySync(step, w.index, codebook_delta=delta))
+        if self.upstream is not None and w.inbound.forward_format.name == "rvq":
+            # This step's delta, applied now: both sides end every step at the same codebook
+            # version, so a snapshot cut after it holds one consistent boundary state.
+            sync = await self._get(self._syncs_up, "codebook delta", step)
+            w.apply_codebook_delta(sync.codebook_delta)
         seconds = time.perf_counter() - start
         self._observe(step, stats, seconds)
         return StepOutcome(w.index, step, stats, fwd_wire, bwd_wire, seconds, cut)

@@ -22,6 +22,7 @@ import torch
 from node.coordinator_client import CoordinatorClient
 from node.links import LocalLink
 from node.schedule import StageRunner, StepOutcome
+from node.settings import Timeouts
 from swarm import checkpoint
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
 from swarm.config import RunConfig
@@ -39,14 +40,24 @@ def say(message: str) -> None:
 
 
 class Checkpointer:
-    """Serialises, stores and uploads snapshots in order, in the background; reports each one."""
+    """Serialises, stores and uploads snapshots in the background, one cut at a time; reports each.
+
+    At most one cut waits behind the one being saved: when uploads are slower than the cut
+    interval, a newer cut replaces the waiting one (the run only ever needs the latest).
+    """
 
     def __init__(self, store: checkpoint.SnapshotStore, client: CoordinatorClient, metrics: Metrics):
         self.store, self.client, self.metrics = store, client, metrics
-        self._queue: asyncio.Queue[tuple[int, list[dict]]] = asyncio.Queue()
+        self._queue: asyncio.Queue[tuple[int, list[dict]]] = asyncio.Queue(maxsize=1)
         self._task = asyncio.create_task(self._drain())
 
     def submit(self, epoch: int, states: list[dict]) -> None:
+        if self._queue.full():
+            _, skipped = self._queue.get_nowait()
+            self._queue.task_done()
+            log.warning(
+                "snapshot cut after step %d skipped: the previous one is still uploading", skipped[0]["step"]
+            )
         self._queue.put_nowait((epoch, states))
 
     async def flush(self) -> None:
@@ -97,11 +108,11 @@ class StageHost:
         checkpointer: Checkpointer,
         metrics: Metrics,
         dataset: Callable[[], TokenDataset],
-        step_timeout: float,
+        timeouts: Timeouts,
     ):
         self.config, self.plan, self.fixed, self.device = config, plan, fixed, device
         self.client, self.checkpointer, self.metrics = client, checkpointer, metrics
-        self.dataset, self.step_timeout = dataset, step_timeout
+        self.dataset, self.timeouts = dataset, timeouts
         self.runners: dict[int, StageRunner] = {}
         self.sampler: BatchSampler | None = None
         self.last_cut: int | None = None  # the last step snapshotted in this epoch
@@ -145,7 +156,7 @@ class StageHost:
                     raise RuntimeError(f"snapshot of stage {s} is of step {step}, the plan resumes after it")
             rotation_ready = self._rotation_ready(worker) if self.rotating else None
             batches = self._batches(sampler) if sampler is not None else None
-            self.runners[s] = StageRunner(worker, self.metrics, batches, rotation_ready, self.step_timeout)
+            self.runners[s] = StageRunner(worker, self.metrics, batches, rotation_ready, self.timeouts.step_s)
 
     def _batches(self, sampler: BatchSampler) -> Callable[[int], torch.Tensor]:
         expected = [self.plan.resume_step]
@@ -175,9 +186,17 @@ class StageHost:
     # -- training -------------------------------------------------------------------------------
 
     async def train(self, take_cut_request: Callable[[], bool], leaving: asyncio.Event) -> bool:
-        """Run the epoch's steps to the end of the run; False if stopped early at a cut to leave."""
+        """Run the epoch's steps to the end of the run; False if stopped early to leave: at the first
+        cut after ``leaving`` is set, or without one once ``Timeouts.leave_s`` has passed."""
         epoch, steps = self.plan.epoch, self.config.train.steps
+        loop = asyncio.get_running_loop()
+        leave_by = None
         for step in range(self.plan.resume_step, steps):
+            if leaving.is_set():
+                leave_by = leave_by or loop.time() + self.timeouts.leave_s
+                if loop.time() > leave_by:
+                    say(f"no snapshot cut within {self.timeouts.leave_s:.0f}s; leaving without one")
+                    return False
             mark = 0 in self.runners and take_cut_request()
             results = await asyncio.gather(*(r.run_step(step, mark) for r in self.runners.values()))
             for outcome in results:

@@ -38,8 +38,15 @@ SNAPSHOT_FORMAT = 1
 _NAME = re.compile(r"^stage(\d+)-step(\d+)-([0-9a-f]{64})\.snap$")
 
 
-def _clone(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().clone() for k, v in state.items()}
+def _cpu_copy(obj: Any) -> Any:
+    """A copy of ``obj`` with every tensor copied to host memory (a GPU holds no extra snapshot)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return copy.copy(obj)
 
 
 def _codebook_formats(worker: StageWorker) -> dict[str, ResidualVQ]:
@@ -51,7 +58,7 @@ def _codebook_formats(worker: StageWorker) -> dict[str, ResidualVQ]:
 
 
 def capture(worker: StageWorker, step: int, sampler: BatchSampler | None = None) -> dict[str, Any]:
-    """The state of ``worker`` after optimizer step ``step`` (tensors copied, nothing serialised)."""
+    """The state of ``worker`` after optimizer step ``step`` (tensors copied to host memory)."""
     stat = worker.statistic
     return {
         "format": SNAPSHOT_FORMAT,
@@ -59,18 +66,22 @@ def capture(worker: StageWorker, step: int, sampler: BatchSampler | None = None)
         "stage": worker.index,
         "step": step,
         "version": worker.version,
-        "model": _clone(worker.stage.state_dict()),
-        "mapl": {side: _clone(b.state_dict()) for side, b in worker.mapl.items()},
-        "optimizers": [copy.deepcopy(opt.state_dict()) for opt in worker.optimizer.optimizers],
+        "model": _cpu_copy(worker.stage.state_dict()),
+        "mapl": {side: _cpu_copy(b.state_dict()) for side, b in worker.mapl.items()},
+        "optimizers": [_cpu_copy(opt.state_dict()) for opt in worker.optimizer.optimizers],
         "statistic": None
         if stat is None
         else {
-            "gram_times_basis": stat.gram_times_basis.clone(),
+            "gram_times_basis": _cpu_copy(stat.gram_times_basis),
             "off_energy": stat.off_energy,
             "total_energy": stat.total_energy,
             "count": stat.count,
         },
         "codebooks": {side: fmt.snapshot() for side, fmt in _codebook_formats(worker).items()},
+        # The sender learns its codebooks: its EMA statistics and generator continue the learning.
+        "codebook_learner": {
+            side: fmt.learner_state() for side, fmt in _codebook_formats(worker).items() if side == "out"
+        },
         "sampler": None if sampler is None else sampler.state_dict(),
     }
 
@@ -115,6 +126,8 @@ def restore(worker: StageWorker, state: dict[str, Any], sampler: BatchSampler | 
         )
     for side, fmt in _codebook_formats(worker).items():
         fmt.load_snapshot(state["codebooks"][side])
+        if side in state["codebook_learner"]:
+            fmt.load_learner_state(state["codebook_learner"][side])
     if sampler is not None:
         sampler.load_state_dict(state["sampler"])
     return int(state["step"])

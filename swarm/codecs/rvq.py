@@ -175,6 +175,26 @@ class ResidualVQ(TensorFormat):
         self._changed_at[level, row] = end
         self.version = end
 
+    def learner_state(self) -> dict[str, torch.Tensor]:
+        """The sender's learning state beyond the codebooks (EMA statistics, generator, change marks)."""
+        return {
+            "ema_count": self._ema_count.clone(),
+            "ema_sum": self._ema_sum.clone(),
+            "changed_at": self._changed_at.clone(),
+            "generator": self._gen.get_state(),
+        }
+
+    def load_learner_state(self, state: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`learner_state` (after :meth:`load_snapshot`) so learning continues exactly."""
+        for key, mine in (("ema_count", self._ema_count), ("ema_sum", self._ema_sum)):
+            if state[key].shape != mine.shape:
+                raise PayloadError(
+                    f"learner state {key} shape {tuple(state[key].shape)} != {tuple(mine.shape)}"
+                )
+        self._ema_count, self._ema_sum = state["ema_count"].clone(), state["ema_sum"].clone()
+        self._changed_at = state["changed_at"].clone()
+        self._gen.set_state(state["generator"])
+
     def snapshot(self) -> bytes:
         """All codebooks and their version: ``13 + 4 n_codebooks codebook_size dim`` bytes."""
         header = _SNAPSHOT_HEADER.pack(self.version, self.n_codebooks, self.codebook_size, self.dim)
