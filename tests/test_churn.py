@@ -96,6 +96,12 @@ def resumed_from(proc: Proc, stage: int) -> list[int]:
     return [int(m[1]) for m in re.finditer(rf"hosts stages \[{stage}\] .*from step (\d+)\)", proc.stdout())]
 
 
+def past_a_cut(cut: int):
+    """A Status predicate: a cut at or after ``cut`` is stored and training is 3 steps past it, so a
+    node lost now makes the run redo steps."""
+    return lambda r: r.latest_cut >= cut and r.steps_completed >= r.latest_cut + 3
+
+
 def run_complete(address: str) -> coordinator_pb2.StatusReply:
     return wait_status(address, lambda r: r.run_complete, "completed run", 240)
 
@@ -123,7 +129,7 @@ def test_standby_replaces_a_killed_node_and_the_run_reproduces_its_losses(tmp_pa
         address = coordinator(procs, tmp_path, churn_config(tmp_path), "--dead-after", DEAD_AFTER)
         n0, n1, n2, standby = start_nodes(procs, tmp_path, address, 4)
         assert host_of(address, 1) == "n1"
-        before = wait_status(address, lambda r: r.latest_cut >= 2 * INTERVAL, "two checkpoint cuts", 120)
+        before = wait_status(address, past_a_cut(2 * INTERVAL), "two checkpoint cuts and 3 steps past", 120)
         witness = Witness("kill -9 with a standby")
         n1.p.kill()
         witness.lost(address, "n1")
@@ -142,7 +148,7 @@ def test_a_fresh_node_joining_later_takes_the_dead_nodes_stage(tmp_path, referen
     with processes() as procs:
         address = coordinator(procs, tmp_path, churn_config(tmp_path), "--dead-after", DEAD_AFTER)
         n0, n1, n2 = start_nodes(procs, tmp_path, address, 3)
-        wait_status(address, lambda r: r.latest_cut >= INTERVAL, "a checkpoint cut", 120)
+        wait_status(address, past_a_cut(INTERVAL), "a checkpoint cut and 3 steps past it", 120)
         witness = Witness("kill -9, a fresh node joins 10 s later")
         n1.p.kill()
         witness.lost(address, "n1")
@@ -163,7 +169,7 @@ def test_a_killed_coordinator_restarted_on_its_state_file_resumes_the_run(tmp_pa
     with processes() as procs:
         address = coordinator(procs, tmp_path, config, "--dead-after", DEAD_AFTER, port=port)
         nodes = start_nodes(procs, tmp_path, address, 3)
-        wait_status(address, lambda r: r.latest_cut >= INTERVAL, "a checkpoint cut", 120)
+        wait_status(address, past_a_cut(INTERVAL), "a checkpoint cut and 3 steps past it", 120)
         procs[0].p.kill()
         procs[0].p.wait(10)
         time.sleep(3)  # the nodes train on (their streams are peer to peer); reports queue up
@@ -179,7 +185,7 @@ def test_a_frozen_node_is_replaced_and_fenced_when_it_wakes(tmp_path, reference)
     with processes() as procs:
         address = coordinator(procs, tmp_path, churn_config(tmp_path), "--dead-after", DEAD_AFTER)
         n0, n1, n2, standby = start_nodes(procs, tmp_path, address, 4)
-        wait_status(address, lambda r: r.latest_cut >= INTERVAL, "a checkpoint cut", 120)
+        wait_status(address, past_a_cut(INTERVAL), "a checkpoint cut and 3 steps past it", 120)
         witness = Witness("SIGSTOP past the death timeout, standby takes over")
         n1.p.send_signal(signal.SIGSTOP)
         witness.lost(address, "n1")
@@ -205,7 +211,7 @@ def test_a_corrupted_latest_snapshot_falls_back_to_the_previous_cut(tmp_path, re
     with processes() as procs:
         address = coordinator(procs, tmp_path, churn_config(tmp_path), "--dead-after", DEAD_AFTER)
         nodes = start_nodes(procs, tmp_path, address, 4)
-        wait_status(address, lambda r: r.latest_cut >= 2 * INTERVAL, "two checkpoint cuts", 120)
+        wait_status(address, past_a_cut(2 * INTERVAL), "two checkpoint cuts and 3 steps past", 120)
         for proc in nodes:  # freeze the swarm so that no newer cut completes meanwhile
             proc.p.send_signal(signal.SIGSTOP)
         latest = status(address).latest_cut
@@ -292,7 +298,7 @@ def test_a_mapl_rvq_run_resumes_exactly_after_a_kill(tmp_path):
             address = coordinator(procs, folder, mapl_rvq(folder), "--dead-after", DEAD_AFTER)
             nodes = start_nodes(procs, folder, address, 4)
             if kill:
-                wait_status(address, lambda r: r.latest_cut >= INTERVAL, "a checkpoint cut", 120)
+                wait_status(address, past_a_cut(INTERVAL), "a checkpoint cut and 3 steps past it", 120)
                 nodes[1].p.kill()
             final = run_complete(address)
         assert (final.epochs_restarted > 0) == kill
