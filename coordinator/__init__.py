@@ -6,3 +6,5 @@
 * :mod:`coordinator.state`: the SQLite file a restarted coordinator resumes from.
 * :mod:`coordinator.cli`: ``swarm-coordinator serve``.
 """
+
+import swarm.logs  # noqa: F401 - quiets gRPC's C core before grpc loads

@@ -4,8 +4,9 @@ Once it serves, the command prints exactly one line on stdout::
 
     coordinator listening on HOST:PORT metrics=PORT run=RUN_ID
 
-(``metrics=-1`` when ``--metrics-port -1`` disables the Prometheus endpoint) and runs
-until SIGINT or SIGTERM, then stops the gRPC server with a grace period, shuts the DHT
+(``metrics=-1`` when ``--metrics-port -1`` disables the HTTP endpoint, which serves
+``/metrics``, ``/healthz`` and the run as JSON at ``/status``) and runs until SIGINT or
+SIGTERM, then stops the gRPC server with a grace period, shuts the DHT
 down, closes the state file and exits 0. Everything else goes to stderr.
 """
 
@@ -21,17 +22,21 @@ import signal
 import sqlite3
 import sys
 import tomllib
+from dataclasses import dataclass
 
 import uvloop
 
 from coordinator.service import CoordinatorServer, CoordinatorService
+from swarm import logs
 from swarm.config import RunConfig
 from swarm.metrics import Metrics
+from swarm.status import status_document
 
 log = logging.getLogger("swarm.coordinator")
 
 DHT_SHUTDOWN_S = 3.0
 STOP_GRACE_S = 2.0
+STATUS_TIMEOUT_S = 5.0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -45,14 +50,31 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--state", default="./coordinator.sqlite", help="SQLite state file (resumed if present)"
     )
-    serve.add_argument("--metrics-port", type=int, default=0, help="Prometheus port (0: a free one, -1: off)")
+    serve.add_argument(
+        "--metrics-port",
+        type=int,
+        default=0,
+        help="HTTP port of /metrics, /status, /healthz (0: free, -1: off)",
+    )
+    serve.add_argument("--metrics-host", help="address the HTTP endpoint binds (default: --host)")
     serve.add_argument("--no-dht", action="store_true", help="run without the stage-discovery DHT")
+    serve.add_argument(
+        "--dht-listen", help="DHT multiaddr, e.g. /ip4/0.0.0.0/tcp/7001 (default: a free TCP port on --host)"
+    )
+    serve.add_argument(
+        "--dht-announce",
+        action="append",
+        default=[],
+        help="multiaddr nodes dial the DHT at, e.g. /ip4/PUBLIC_IP/tcp/7001 behind NAT (repeatable; "
+        "default: the listening interfaces' non-loopback addresses)",
+    )
     serve.add_argument(
         "--public-dht", action="store_true", help="let the DHT map NAT ports (UPnP/NAT-PMP; production only)"
     )
     serve.add_argument(
         "--dead-after", type=float, default=15.0, help="seconds without heartbeat before death"
     )
+    serve.add_argument("--log-format", choices=logs.FORMATS, default="text", help="text lines or JSON lines")
     return parser
 
 
@@ -65,32 +87,59 @@ def load_config(path: str | None) -> RunConfig:
     return RunConfig.from_toml(path)
 
 
-async def serve(
-    service: CoordinatorService, host: str, port: int, metrics_port: int, dht: str | None = "local"
-) -> None:
-    """Serve ``service`` until SIGINT/SIGTERM, printing the listening line once ready.
+@dataclass(frozen=True)
+class Endpoints:
+    """Where the coordinator serves: gRPC ``host:port``, the HTTP endpoint (port -1: off), the DHT."""
 
-    ``dht``: ``None`` (no discovery DHT), ``"local"`` (no NAT port mapping) or ``"public"``.
-    """
+    host: str = "127.0.0.1"
+    port: int = 0
+    metrics_host: str | None = None  # None: host
+    metrics_port: int = 0
+    dht: str | None = "local"  # None (no discovery DHT), "local" (no NAT port mapping) or "public"
+    dht_listen: str | None = None  # None: a free TCP port on host
+    dht_announce: tuple[str, ...] = ()
+
+
+async def serve(service: CoordinatorService, where: Endpoints) -> None:
+    """Serve ``service`` until SIGINT/SIGTERM, printing the listening line once ready."""
     dht_node = None
-    if dht is not None:
+    if where.dht is not None:
         # Imported here: hivemind is slow to import and unneeded without a DHT.
-        from swarm.discovery import start_dht, visible_maddrs
+        from swarm.discovery import listen_maddr, start_dht, visible_maddrs
 
-        dht_node = await start_dht(public=dht == "public")
+        dht_node = await start_dht(
+            host_maddrs=[where.dht_listen or listen_maddr(where.host)],
+            public=where.dht == "public",
+            announce_maddrs=where.dht_announce,
+        )
         service.dht_peers = await visible_maddrs(dht_node)
-    server = CoordinatorServer(service, host, port)
+        log.info("DHT at %s", " ".join(service.dht_peers))
+    server = CoordinatorServer(service, where.host, where.port)
     await server.start()
+    http = None
+    if where.metrics_port != -1:
+        loop = asyncio.get_running_loop()
+
+        def status() -> dict:  # called on the HTTP thread: the service lives on the event loop
+            async def reply():
+                return service.status()
+
+            return status_document(asyncio.run_coroutine_threadsafe(reply(), loop).result(STATUS_TIMEOUT_S))
+
+        http = service.metrics.serve(where.metrics_port, where.metrics_host or where.host, status)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    metrics_port = http.port if http is not None else -1
     print(
         f"coordinator listening on {server.address} metrics={metrics_port} run={service.run_id}", flush=True
     )
     await stop.wait()
     log.info("stopping")
     await server.stop(STOP_GRACE_S)
+    if http is not None:
+        http.close()
     if dht_node is not None:
         # Bounded: when Ctrl-C reached p2pd too, hivemind's shutdown can wait on a dead daemon.
         with contextlib.suppress(asyncio.TimeoutError):
@@ -99,8 +148,8 @@ async def serve(
 
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point of ``swarm-coordinator``."""
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     args = build_parser().parse_args(argv)
+    logs.setup(args.log_format, logging.INFO)
     try:
         config = load_config(args.config)
     except (OSError, ValueError, TypeError, tomllib.TOMLDecodeError) as e:
@@ -110,14 +159,20 @@ def main(argv: list[str] | None = None) -> int:
     if not token:
         token = secrets.token_urlsafe(24)
         log.warning("no --token or SWARM_TOKEN given; generated join token %s", token)
-    dht = None if args.no_dht else "public" if args.public_dht else "local"
-    metrics = Metrics("coordinator")
+    where = Endpoints(
+        host=args.host,
+        port=args.port,
+        metrics_host=args.metrics_host,
+        metrics_port=args.metrics_port,
+        dht=None if args.no_dht else "public" if args.public_dht else "local",
+        dht_listen=args.dht_listen,
+        dht_announce=tuple(args.dht_announce),
+    )
     try:
         service = CoordinatorService(
-            config, token, args.state, None, metrics, [], dead_after_s=args.dead_after
+            config, token, args.state, None, Metrics("coordinator"), [], dead_after_s=args.dead_after
         )
-        metrics_port = -1 if args.metrics_port == -1 else metrics.serve(args.metrics_port, host=args.host)
-        uvloop.run(serve(service, args.host, args.port, metrics_port, dht))
+        uvloop.run(serve(service, where))
     except (ValueError, sqlite3.Error) as e:  # a state file holding another run, or an unusable one
         print(f"swarm-coordinator: {e}", file=sys.stderr)
         return 2

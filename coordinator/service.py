@@ -40,9 +40,11 @@ from swarm.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
 from swarm.codecs.base import PayloadError
 from swarm.config import RunConfig, config_hash
 from swarm.metrics import Metrics
+from swarm.status import RATE_WINDOW, run_rates
 from swarm.subspace import SubspaceRotation, initial_artifacts
 from swarm.transport.channel import insecure_channel, server_options
 from swarm.transport.frames import PROTOCOL_VERSION, rotation_to_proto
+from swarm.transport.health import Health
 
 log = logging.getLogger("swarm.coordinator")
 
@@ -98,6 +100,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.checkpoints = {(r.step, r.stage): r for r in self.state.checkpoints()}
         self.completed = self.state.completed_step(config.n_stages)
         self.cut_requests = 0
+        self._cut_shown = -1  # the complete cut the checkpoint metrics describe
         self.leaving: set[str] = set()  # nodes that asked for a final cut and will Leave after it
         fixed, basis = initial_artifacts(config)
         embedding = matrix_to_bytes(fixed)
@@ -114,8 +117,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.nodes = {node.id: node for node in self.state.nodes()}
         now = time.monotonic() + max(0.0, RESUME_GRACE_S - dead_after_s)
         self.last_seen = dict.fromkeys(self.nodes, now)
-        self.phases: dict[str, int] = {}
-        self.node_epochs: dict[str, int] = {}
+        self.heartbeats: dict[str, coordinator_pb2.HeartbeatRequest] = {}  # the last one of each node
         self.reaper: asyncio.Task[None] | None = None
         metrics.subspace_version.set(self.rotation.version)
         self._update_alive()
@@ -244,7 +246,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._replan(before)
 
     def _update_alive(self) -> None:
-        self.metrics.nodes_alive.set(sum(n.alive for n in self.nodes.values()))
+        alive = [n for n in self.nodes.values() if n.alive]
+        self.metrics.nodes_alive.set(len(alive))
+        for stage in range(self.config.n_stages):
+            self.metrics.stage_nodes.labels(str(stage)).set(sum(stage in n.stages for n in alive))
 
     def _links(self, node_id: str) -> list[coordinator_pb2.BoundaryLink]:
         addresses = {n.id: n.address for n in self.nodes.values() if n.alive}
@@ -343,7 +348,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.metrics.rejected.labels(reason="unknown_node").inc()
             return coordinator_pb2.HeartbeatReply(known=False, plan_epoch=self.plan_epoch)
         self.last_seen[node.id] = time.monotonic()
-        self.phases[node.id], self.node_epochs[node.id] = request.phase, request.plan_epoch
+        self.heartbeats[node.id] = request
         reply = coordinator_pb2.HeartbeatReply(
             known=True,
             plan_epoch=self.plan_epoch,
@@ -476,8 +481,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.state.add_checkpoint(record)
         self._prune_cuts()
         cuts = self._complete_cuts()
-        if cuts:
-            self.metrics.checkpoint_step.set(cuts[0])
+        if cuts and cuts[0] != self._cut_shown:
+            self._cut_shown = cuts[0]
+            self.metrics.checkpointed(cuts[0])
         return coordinator_pb2.CheckpointAck(latest_cut=cuts[0] + 1 if cuts else 0)
 
     async def WatchRotations(self, request, context) -> AsyncIterator[common_pb2.Rotation]:
@@ -550,29 +556,59 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.metrics.loss.set(loss)
         if request.step > self.completed:
             self.completed = self.state.completed_step(self.config.n_stages)
+            rates = self._rates()
+            self.metrics.run_tokens_per_second.set(rates.tokens_per_second)
+            self.metrics.run_bytes_per_token.set(rates.bytes_per_token)
+            self.metrics.run_compression_ratio.set(rates.compression_ratio)
             if self.run_complete:
                 log.info("run complete: every stage finished step %d", self.completed)
         return coordinator_pb2.StepAck()
 
     async def Status(self, request, context):
+        return self.status(request.since_step)
+
+    def status(self, since_step: int = 0) -> coordinator_pb2.StatusReply:
+        """The run, its nodes and the completed steps >= ``since_step``."""
         now = time.monotonic()
-        nodes = [
-            coordinator_pb2.NodeStatus(
-                node_id=n.id,
-                node_name=n.name,
-                address=n.address,
-                stages=n.stages,
-                last_heartbeat_age_s=now - self.last_seen[n.id],
-                alive=n.alive,
-                device=n.device,
-                phase=self.phases.get(n.id, coordinator_pb2.NODE_PHASE_UNSPECIFIED),
-                plan_epoch=self.node_epochs.get(n.id, 0),
+        nodes = []
+        for n in self.nodes.values():
+            beat = self.heartbeats.get(n.id, coordinator_pb2.HeartbeatRequest())
+            nodes.append(
+                coordinator_pb2.NodeStatus(
+                    node_id=n.id,
+                    node_name=n.name,
+                    address=n.address,
+                    stages=n.stages,
+                    last_heartbeat_age_s=now - self.last_seen[n.id],
+                    alive=n.alive,
+                    device=n.device,
+                    phase=beat.phase,
+                    plan_epoch=beat.plan_epoch,
+                    step=beat.step,
+                    tokens_per_second=beat.tokens_per_second,
+                    subspace_version=beat.subspace_version,
+                )
             )
-            for n in self.nodes.values()
-        ]
         completed = self.completed
         cuts = self._complete_cuts()
-        steps = [
+        return coordinator_pb2.StatusReply(
+            run_id=self.run_id,
+            step=max(0, completed),
+            subspace_version=self.rotation.version,
+            nodes=nodes,
+            config_hash=self.config_hash,
+            steps_completed=completed + 1,
+            steps=self._step_summaries(since_step),
+            plan_epoch=self.plan_epoch,
+            resume_step=self.resume_step,
+            latest_cut=cuts[0] + 1 if cuts else 0,
+            run_complete=self.run_complete,
+            epochs_restarted=self.restarts,
+            rates=self._rates(),
+        )
+
+    def _step_summaries(self, since_step: int) -> list[coordinator_pb2.StepSummary]:
+        return [
             coordinator_pb2.StepSummary(
                 step=step,
                 loss=loss,
@@ -583,23 +619,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 completed_at=at,
             )
             for step, loss, tokens, fwd, bwd, wall, at in self.state.step_summaries(
-                self.config.n_stages, request.since_step
+                self.config.n_stages, since_step
             )
         ]
-        return coordinator_pb2.StatusReply(
-            run_id=self.run_id,
-            step=max(0, completed),
-            subspace_version=self.rotation.version,
-            nodes=nodes,
-            config_hash=self.config_hash,
-            steps_completed=completed + 1,
-            steps=steps,
-            plan_epoch=self.plan_epoch,
-            resume_step=self.resume_step,
-            latest_cut=cuts[0] + 1 if cuts else 0,
-            run_complete=self.run_complete,
-            epochs_restarted=self.restarts,
-        )
+
+    def _rates(self) -> coordinator_pb2.RunRates:
+        recent = self._step_summaries(max(0, self.completed - RATE_WINDOW + 1))[-RATE_WINDOW:]
+        return run_rates(recent, self.config.model.d_model, self.config.n_stages - 1)
 
 
 def host_port(host: str, port: int) -> str:
@@ -626,12 +652,15 @@ class CoordinatorServer:
         # so_reuseport 0: a second coordinator on a taken port must fail, not share it
         self.server = grpc.aio.server(options=[*server_options(), ("grpc.so_reuseport", 0)])
         coordinator_pb2_grpc.add_CoordinatorServicer_to_server(self.service, self.server)
+        coordinator_service = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"].full_name
+        self.health = Health(self.server, [coordinator_service])
         address = host_port(self.host, self.requested_port)
         try:
             self.port = self.server.add_insecure_port(address)
         except RuntimeError as e:
             raise OSError(f"cannot bind {address}: {e}") from None
         await self.server.start()
+        await self.health.serving()
         self.service.start()
         return self.port
 
@@ -643,6 +672,7 @@ class CoordinatorServer:
         if self.server is None:
             return
         server, self.server = self.server, None
+        await self.health.stop()
         self.service.end_streams()
         await server.stop(grace)
         await self.service.close()

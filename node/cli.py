@@ -17,7 +17,8 @@ import uvloop
 from node.coordinator_client import CoordinatorUnreachable, Fenced
 from node.daemon import NodeDaemon
 from node.settings import NodeSettings, Timeouts
-from node.stage_host import say
+from swarm import logs
+from swarm.logs import say
 from swarm.transport.shaper import LinkProfile
 
 
@@ -35,7 +36,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="HOST:PORT for the Stage service; '' to only dial out (no inbound)",
     )
     p.add_argument(
-        "--announce", default="", help="address neighbours dial (default: the bound listen address)"
+        "--announce",
+        default="",
+        help="HOST:PORT neighbours dial (default: the listen address; for 0.0.0.0, this host's "
+        "address on the interface that reaches the coordinator)",
     )
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda:0 ...")
     p.add_argument(
@@ -46,6 +50,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--metrics-port", type=int, default=-1, help="Prometheus port (0: any free port; -1: off)")
     p.add_argument(
+        "--metrics-host",
+        default="",
+        help="address /metrics and /healthz bind (default: the listen host, else the interface "
+        "that reaches the coordinator; 0.0.0.0 for every interface)",
+    )
+    p.add_argument(
         "--link-mbps", type=float, default=0.0, help="emulate a link of this rate on sends (0: off)"
     )
     p.add_argument("--link-latency-ms", type=float, default=0.0, help="emulated one-way delay on sends")
@@ -53,7 +63,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--no-dht", action="store_true", help="skip DHT discovery; use the coordinator's addresses"
     )
     p.add_argument("--public-dht", action="store_true", help="allow NAT port mapping (production only)")
+    p.add_argument(
+        "--dht-listen",
+        default="",
+        help="DHT multiaddr, e.g. /ip4/0.0.0.0/tcp/7101 (default: a free TCP port on the "
+        "metrics host default)",
+    )
     p.add_argument("--name", default="", help="node name shown in status")
+    p.add_argument("--log-format", choices=logs.FORMATS, default="text", help="text lines or JSON lines")
     defaults = Timeouts()
     p.add_argument(
         "--connect-timeout",
@@ -102,6 +119,13 @@ async def _run(settings: NodeSettings, linger_s: float = 0.0) -> int:
     loop.add_signal_handler(signal.SIGTERM, leave)
     loop.add_signal_handler(signal.SIGINT, stop)
     try:
+        return await _follow(daemon, settings, linger_s)
+    finally:
+        daemon.stop_metrics()
+
+
+async def _follow(daemon: NodeDaemon, settings: NodeSettings, linger_s: float) -> int:
+    try:
         result = await daemon.run()
     except asyncio.CancelledError:
         say("node stopped by signal")
@@ -127,7 +151,7 @@ async def _run(settings: NodeSettings, linger_s: float = 0.0) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.setup(args.log_format, logging.WARNING)
     settings = NodeSettings(
         coordinator=args.coordinator,
         token=args.token,
@@ -137,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
         max_stages=args.stages,
         data_dir=Path(args.data_dir),
         metrics_port=args.metrics_port,
+        metrics_host=args.metrics_host,
+        dht_listen=args.dht_listen,
         link=LinkProfile(args.link_mbps, args.link_latency_ms),
         use_dht=not args.no_dht,
         public_dht=args.public_dht,
@@ -150,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         return uvloop.run(_run(settings, args.linger_s))
-    except (RuntimeError, ValueError) as e:
+    except (RuntimeError, ValueError, OSError) as e:
         print(f"swarm-node: error: {e}", file=sys.stderr)
         return 1
 

@@ -57,6 +57,8 @@ class CoordinatorClient:
         self.plan: cpb.Plan | None = None
         self.phase = cpb.NODE_PHASE_JOINING
         self.completed_step = -1
+        self.tokens_per_second = 0.0  # of the last step, as reported in heartbeats
+        self.subspace_version = 0
         self.run_complete = False
         self.cut_requests = 0
         self.fatal: Fenced | CoordinatorUnreachable | None = None
@@ -140,11 +142,21 @@ class CoordinatorClient:
         self.phase = phase
         self.metrics.phase.set(phase)
 
+    def progress(self, step: int, tokens_per_second: float, subspace_version: int) -> None:
+        """The hosted stages completed ``step``: the next heartbeats say so."""
+        self.completed_step, self.tokens_per_second = step, tokens_per_second
+        self.subspace_version = subspace_version
+
     async def heartbeat(self) -> None:
         """One heartbeat now: report phase and progress, take in a new plan or the end of the run."""
         epoch = self.plan.epoch if self.plan is not None else 0
         request = cpb.HeartbeatRequest(
-            node_id=self.node_id, step=max(self.completed_step, 0), phase=self.phase, plan_epoch=epoch
+            node_id=self.node_id,
+            step=max(self.completed_step, 0),
+            phase=self.phase,
+            plan_epoch=epoch,
+            tokens_per_second=self.tokens_per_second,
+            subspace_version=self.subspace_version,
         )
         # Not retried: the next heartbeat is the retry, and it must not wait out a backoff.
         reply = await self.call("Heartbeat", request, retry=False)

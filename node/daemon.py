@@ -37,18 +37,28 @@ from node.coordinator_client import CoordinatorClient, CoordinatorUnreachable, F
 from node.link_manager import LinkManager, unreachable_boundaries
 from node.links import LinkError, RunIdentity
 from node.settings import NodeSettings
-from node.stage_host import Checkpointer, StageHost, say
+from node.stage_host import Checkpointer, StageHost
 from node.stage_service import StageService
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
-from swarm._proto.swarm.v1 import stage_pb2_grpc
+from swarm._proto.swarm.v1 import stage_pb2, stage_pb2_grpc
 from swarm.artifacts import ArtifactCache, matrix_from_bytes
 from swarm.checkpoint import SnapshotStore
 from swarm.config import RunConfig, config_hash, pick_device
 from swarm.data import TokenDataset, load_dataset
-from swarm.discovery import RECORD_TTL_S, StageEndpoint, publish_stage, start_dht
-from swarm.metrics import Metrics
+from swarm.discovery import (
+    RECORD_TTL_S,
+    StageEndpoint,
+    listen_maddr,
+    publish_stage,
+    start_dht,
+    visible_maddrs,
+)
+from swarm.logs import say, set_context
+from swarm.metrics import Metrics, MetricsServer
+from swarm.netaddr import join_host_port, split_host_port, visible_host
 from swarm.transport.channel import server_options
 from swarm.transport.frames import PROTOCOL_VERSION
+from swarm.transport.health import Health
 
 log = logging.getLogger("swarm-node")
 
@@ -75,6 +85,13 @@ class NodeDaemon:
         self.metrics = Metrics("node")
         self.device = pick_device(settings.device)
         self.client = CoordinatorClient(settings.coordinator, settings.timeouts, self.metrics)
+        self.coordinator_host = split_host_port(settings.coordinator)[0]
+        listen_host = split_host_port(settings.listen)[0] if settings.listen else ""
+        # The address this node's DHT and metrics bind by default: its Stage service's, else the
+        # interface that reaches the coordinator (loopback for a local coordinator).
+        self.own_host = listen_host or visible_host("", self.coordinator_host)
+        self.http: MetricsServer | None = None
+        self.health: Health | None = None
         self.server: grpc.aio.Server | None = None
         self.service: StageService | None = None
         self.dht = None
@@ -84,17 +101,20 @@ class NodeDaemon:
         self._dataset_lock = threading.Lock()  # builds run in threads; a cancelled one may still load
         self._loaded_dataset: TokenDataset | None = None
         self._tasks: list[asyncio.Task] = []
+        self._boundaries_opened: set[int] = set()  # by every epoch so far (reconnect metric)
 
     # -- main -------------------------------------------------------------------------------
 
     async def run(self) -> NodeResult:
         s = self.settings
         if s.metrics_port >= 0:
-            say(f"node metrics on 127.0.0.1:{self.metrics.serve(s.metrics_port)}")
+            self.http = self.metrics.serve(s.metrics_port, s.metrics_host or self.own_host)
+            say(f"node metrics on {join_host_port(self.http.host, self.http.port)} (/metrics, /healthz)")
         try:
             self.address = await self._start_server()
             reply = await self._join()
             self.node_id = reply.node_id
+            set_context(node=self.node_id[:8])
             self.config = self._config(reply)
             rotating = self.config.rotation.interval > 0 and self.config.model.constrained
             self.client.start(reply.heartbeat_interval_ms / 1000, rotating)
@@ -156,6 +176,12 @@ class NodeDaemon:
         await self.checkpointer.flush()
         await self.client.flush_reports()
 
+    def stop_metrics(self) -> None:
+        """Stop serving ``/metrics`` (kept up after :meth:`run` returns, for a lingering node)."""
+        if self.http is not None:
+            self.http.close()
+            self.http = None
+
     def request_leave(self) -> None:
         """SIGTERM: finish the current step, snapshot at a cut every stage takes, then Leave."""
         if self.leaving.is_set():
@@ -206,6 +232,7 @@ class NodeDaemon:
                     "inbound connections; give one a reachable --listen/--announce address (no relays yet)"
                 )
             hosted = list(plan.stages)
+            set_context(stages=",".join(map(str, hosted)))
             say(
                 f"node {self.node_id[:8]} hosts stages {hosted} of run {self.identity.run_id} "
                 f"(epoch {plan.epoch}, from step {plan.resume_step})"
@@ -288,7 +315,14 @@ class NodeDaemon:
         )
         await host.build()
         links = LinkManager(
-            self.identity, plan, host.runners, self.settings, self.metrics, self.service, self.dht
+            self.identity,
+            plan,
+            host.runners,
+            self.settings,
+            self.metrics,
+            self.service,
+            self.dht,
+            self._boundaries_opened,
         )
         try:
             self.client.set_phase(cpb.NODE_PHASE_READY)
@@ -324,12 +358,16 @@ class NodeDaemon:
         self.server = grpc.aio.server(options=server_options(self.settings.timeouts.keepalive))
         self.service = StageService(self.metrics, self.settings.link)
         stage_pb2_grpc.add_StageServicer_to_server(self.service, self.server)
-        host, _, port = self.settings.listen.rpartition(":")
-        bound = self.server.add_insecure_port(f"{host}:{port}")
+        self.health = Health(self.server, [stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name])
+        host, port = split_host_port(self.settings.listen)
+        bound = self.server.add_insecure_port(join_host_port(host, port))
         if bound == 0:
             raise RuntimeError(f"cannot listen on {self.settings.listen}")
         await self.server.start()
-        return self.settings.announce or f"{host or socket.gethostname()}:{bound}"
+        await self.health.serving()
+        if self.settings.announce:
+            return self.settings.announce
+        return join_host_port(visible_host(host, self.coordinator_host), bound)
 
     async def _join(self) -> cpb.JoinReply:
         s = self.settings
@@ -365,13 +403,20 @@ class NodeDaemon:
         return await asyncio.to_thread(matrix_from_bytes, data), fetched
 
     async def _publish(self, reply: cpb.JoinReply) -> None:
-        if not self.settings.use_dht or not reply.dht_initial_peers:
+        s = self.settings
+        if not s.use_dht or not reply.dht_initial_peers:
             return
         try:
-            self.dht = await start_dht(list(reply.dht_initial_peers), public=self.settings.public_dht)
-        except Exception as e:  # discovery is an optimisation: the plan's addresses still work
-            log.warning("DHT unavailable (%s); using the coordinator's addresses", e)
+            self.dht = await start_dht(
+                list(reply.dht_initial_peers),
+                [s.dht_listen or listen_maddr(self.own_host)],
+                public=s.public_dht,
+                bootstrap_timeout=s.timeouts.dht_bootstrap_s,
+            )
+        except Exception as e:  # discovery is an optimisation: the plan's addresses are enough
+            log.warning("DHT unavailable, discovery falls back to the coordinator's addresses: %s", e)
             return
+        say(f"DHT joined at {', '.join(await visible_maddrs(self.dht))}")
         self._tasks.append(asyncio.create_task(self._refresh_endpoints(reply.run_id)))
 
     async def _refresh_endpoints(self, run_id: str) -> None:
@@ -392,7 +437,9 @@ class NodeDaemon:
             await self.checkpointer.close()
         await self.client.close()
         if self.server is not None:
+            await self.health.stop()
             await self.server.stop(grace=2)
+
         if self.dht is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.dht.shutdown(), timeout=3)

@@ -1,8 +1,9 @@
 """The boundary streams of one plan epoch: dial or accept each one, then tear them all down.
 
 For every boundary the plan shares with another node, the plan says which side dials
-(see :mod:`coordinator.assignment`). Dialled peers are looked up in the DHT (when the
-record names the node the plan names) or taken from the plan; accepted streams come in
+(see :mod:`coordinator.assignment`). Dialled peers' addresses come from the plan (the
+coordinator is the authority on who hosts what); only a peer the plan holds no address
+for is looked up in the DHT, under the node id the plan names. Accepted streams come in
 through the node's :class:`~node.stage_service.StageService`, for which this manager is
 the current :class:`~node.stage_service.Acceptor` while its epoch lasts. Every Hello
 carries the epoch, so streams of different epochs never pair up.
@@ -20,11 +21,11 @@ import grpc
 from node.links import LinkError, PlannedPeer, RunIdentity, StageLink, dial, rejection_reason
 from node.schedule import StageRunner
 from node.settings import NodeSettings
-from node.stage_host import say
 from node.stage_service import StageService
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
 from swarm._proto.swarm.v1 import stage_pb2
 from swarm.discovery import find_stage
+from swarm.logs import say
 from swarm.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -47,12 +48,16 @@ class LinkManager:
         metrics: Metrics,
         service: StageService | None,
         dht=None,
+        opened: set[int] | None = None,
     ):
+        """``opened``: boundaries this node had streams on in earlier epochs (updated here; a
+        stream opened again counts in ``swarm_stream_reconnects``)."""
         self.identity = replace(identity, plan_epoch=plan.epoch)
         self.stages = list(plan.stages)
         self.plan_links = {link.boundary: link for link in plan.links}
         self.runners, self.settings, self.metrics = runners, settings, metrics
         self.service, self.dht = service, dht
+        self.opened = opened if opened is not None else set()
         self._ready: dict[int, asyncio.Future] = {}
         self._links: list[StageLink] = []
         self._tasks: list[asyncio.Task] = []
@@ -93,6 +98,9 @@ class LinkManager:
         else:
             runner.upstream, deliver = link, runner.deliver_from_upstream
         self._links.append(link)
+        if boundary in self.opened:
+            self.metrics.reconnects.labels(str(boundary)).inc()
+        self.opened.add(boundary)
         task = asyncio.create_task(link.pump(deliver, runner.fail))
         self._tasks.append(task)
         return task
@@ -137,15 +145,15 @@ class LinkManager:
             say(f"boundary {b}: accepted stream from stage {self.peer_of(b).stage}")
 
     async def _peer_address(self, run_id: str, peer_stage: int, link: cpb.BoundaryLink) -> str:
-        """The peer's Stage address: its DHT record if it is the node the plan names, else the plan's."""
-        if self.dht is None:
+        """The peer's Stage address: the coordinator's (the authority on who hosts what); the DHT
+        record of the node the plan names only when the plan holds no address for it."""
+        if link.peer_address or self.dht is None:
             return link.peer_address
         try:
             endpoint = await find_stage(self.dht, run_id, peer_stage, link.peer_node_id, 5.0)
-            return endpoint.address or link.peer_address
         except TimeoutError:
-            log.warning("no DHT record for stage %d; using the coordinator's address", peer_stage)
-            return link.peer_address
+            raise LinkError(f"no address for stage {peer_stage}: not in the plan nor in the DHT") from None
+        return endpoint.address
 
     async def close(self) -> None:
         """Flush and close every stream of this epoch; stop accepting for it."""

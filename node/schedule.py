@@ -84,6 +84,7 @@ class StageRunner:
         if isinstance(item, ActivationFrame):
             self._count_dense(self.index - 1, "forward", "received", item)
             self._activations.put_nowait(item)
+            self._show_depth(self._activations)
         else:
             self._syncs_up.put_nowait(item)
 
@@ -91,8 +92,16 @@ class StageRunner:
         if isinstance(item, GradientFrame):
             self._count_dense(self.index, "backward", "received", item)
             self._gradients.put_nowait(item)
+            self._show_depth(self._gradients)
         else:
             self._syncs_down.put_nowait(item)
+
+    def _show_depth(self, queue: asyncio.Queue) -> None:
+        """``swarm_stream_queue_depth``: received frames of a boundary not yet taken for compute."""
+        if queue is self._activations:
+            self.metrics.queue_depth.labels(str(self.index - 1), "forward").set(queue.qsize())
+        elif queue is self._gradients:
+            self.metrics.queue_depth.labels(str(self.index), "backward").set(queue.qsize())
 
     def _count_dense(
         self, boundary: int, direction: str, io: str, frame: ActivationFrame | GradientFrame
@@ -116,6 +125,7 @@ class StageRunner:
             ) from None
         if item is None:
             raise self.failure or RuntimeError("link closed")
+        self._show_depth(queue)
         return item
 
     # -- one step -------------------------------------------------------------------------------
@@ -130,7 +140,7 @@ class StageRunner:
         fwd_wire = bwd_wire = 0
         if w.is_first:
             for mb, ids in enumerate(self.batch_for_step(step).chunk(n_micro)):
-                frame = await asyncio.to_thread(w.forward, step, mb, ids)
+                frame = await self._compute("forward", w.forward, step, mb, ids)
                 fwd_wire += await self._send_down(frame, cut)
         else:
             for _ in range(n_micro):
@@ -141,7 +151,7 @@ class StageRunner:
                     fwd_wire += await self._send_down(out, cut)
         if w.is_last:
             for mb in reversed(range(n_micro)):
-                grad = await asyncio.to_thread(w.backward, step, mb)
+                grad = await self._compute("backward", w.backward, step, mb)
                 bwd_wire += await self._send_up(grad) if self.upstream is not None else 0
         else:
             for _ in range(n_micro):
@@ -163,25 +173,39 @@ class StageRunner:
         self._observe(step, stats, seconds)
         return StepOutcome(w.index, step, stats, fwd_wire, bwd_wire, seconds, cut)
 
+    async def _compute(self, kind: str, fn: Callable, *args):
+        """``fn(*args)`` in a worker thread, timed into ``swarm_microbatch_compute_seconds``."""
+        start = time.perf_counter()
+        result = await asyncio.to_thread(fn, *args)
+        self.metrics.microbatch_compute.labels(str(self.index), kind).observe(time.perf_counter() - start)
+        return result
+
     async def _send_down(self, frame: ActivationFrame, cut: bool) -> int:
         frame = dataclasses.replace(frame, cut=cut) if cut else frame
         self._count_dense(self.index, "forward", "sent", frame)
-        return await self.downstream.send(frame)
+        return await self._send(self.downstream, self.index, "forward", frame)
 
     async def _send_up(self, frame: GradientFrame) -> int:
         self._count_dense(self.index - 1, "backward", "sent", frame)
-        return await self.upstream.send(frame)
+        return await self._send(self.upstream, self.index - 1, "backward", frame)
+
+    async def _send(self, link, boundary: int, direction: str, frame) -> int:
+        """Send one microbatch's frame, timed into ``swarm_microbatch_wire_seconds``; its bytes."""
+        start = time.perf_counter()
+        sent = await link.send(frame)
+        self.metrics.microbatch_wire.labels(str(boundary), direction).observe(time.perf_counter() - start)
+        return sent
 
     async def _forward(self, step: int, frame: ActivationFrame):
         try:
-            return await asyncio.to_thread(self.worker.forward, step, frame.microbatch, frame)
+            return await self._compute("forward", self.worker.forward, step, frame.microbatch, frame)
         except PayloadError as e:
             await self._reject(self.upstream, e)
             raise
 
     async def _backward(self, step: int, frame: GradientFrame):
         try:
-            return await asyncio.to_thread(self.worker.backward, step, frame.microbatch, frame)
+            return await self._compute("backward", self.worker.backward, step, frame.microbatch, frame)
         except PayloadError as e:
             await self._reject(self.downstream, e)
             raise
@@ -216,6 +240,7 @@ class StageRunner:
         self.metrics.tokens.labels(stage).inc(stats.tokens)
         self.metrics.step.labels(stage).set(step)
         self.metrics.step_seconds.labels(stage).observe(seconds)
+        self.metrics.stage_tokens_per_second.labels(stage).set(stats.tokens / seconds if seconds > 0 else 0.0)
         if stats.loss_count:
             self.metrics.loss.set(stats.loss_sum / stats.loss_count)
         if stats.off_subspace_fraction is not None:

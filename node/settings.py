@@ -26,6 +26,7 @@ class Timeouts:
     failure_grace_s: float = 1.0  # after a broken boundary, wait this long for a new plan before reporting it
     unreachable_grace_s: float = 2.0  # stay joined this long after finding no way to a peer (it learns too)
     leave_s: float = 120.0  # graceful leave: longest wait for the final cut before leaving anyway
+    dht_bootstrap_s: float = 5.0  # a DHT whose initial peers stay silent this long is skipped
     upload_chunk_bytes: int = 1 << 20
     keepalive: KeepAlive = field(default_factory=KeepAlive)
 
@@ -37,13 +38,16 @@ class NodeSettings:
     coordinator: str
     token: str
     listen: str = "127.0.0.1:0"  # Stage service address; "" = dial-only (no inbound port)
-    announce: str = ""  # address neighbours dial; default: the bound listen address
+    announce: str = ""  # address neighbours dial; default: the listen address, or for 0.0.0.0
+    # the interface address that reaches the coordinator
     device: str = "auto"
     max_stages: int = 1
     data_dir: Path = field(default_factory=lambda: Path("swarm-node-data"))
     metrics_port: int = -1  # -1: no metrics server; 0: a free port
+    metrics_host: str = ""  # default: the listen host, else the address that reaches the coordinator
     link: LinkProfile = field(default_factory=LinkProfile)
     use_dht: bool = True
     public_dht: bool = False
+    dht_listen: str = ""  # DHT multiaddr; default: TCP on a free port of the metrics_host default
     name: str = ""
     timeouts: Timeouts = field(default_factory=Timeouts)

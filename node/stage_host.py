@@ -27,16 +27,12 @@ from swarm import checkpoint
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
 from swarm.config import RunConfig
 from swarm.data import BatchSampler, TokenDataset, batch_ids
+from swarm.logs import say
 from swarm.metrics import Metrics
 from swarm.subspace import initial_basis
 from swarm.worker import StageWorker
 
 log = logging.getLogger(__name__)
-
-
-def say(message: str) -> None:
-    """One line on stdout for operators (and for ``swarm up``, which relays it)."""
-    print(message, flush=True)
 
 
 class Checkpointer:
@@ -86,7 +82,7 @@ class Checkpointer:
         start = time.perf_counter()
         await self.client.upload(saved.digest, data)
         seconds = time.perf_counter() - start
-        self.metrics.checkpoint_step.set(step)
+        self.metrics.checkpointed(step)
         ref = cpb.StageCheckpoint(stage=stage, step=step, digest=saved.digest, size=len(data))
         self.client.report(
             "ReportCheckpoint",
@@ -201,7 +197,9 @@ class StageHost:
             results = await asyncio.gather(*(r.run_step(step, mark) for r in self.runners.values()))
             for outcome in results:
                 self._report(epoch, outcome)
-            self.client.completed_step = step
+            seconds = max(o.seconds for o in results)
+            version = next(iter(self.runners.values())).worker.version
+            self.client.progress(step, results[0].stats.tokens / seconds if seconds > 0 else 0.0, version)
             if any(o.cut for o in results) or self.config.checkpoint.is_cut(step, steps):
                 states = await asyncio.to_thread(self._capture, step)
                 self.checkpointer.submit(epoch, states)

@@ -1,4 +1,4 @@
-"""``swarm``: train locally, and (later subcommands) run a local swarm or the benchmarks."""
+"""``swarm``: train in one process, run a local swarm, watch a running one, run the benchmarks."""
 
 from __future__ import annotations
 
@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import json
 import sys
+import time
 import tomllib
 
 from swarm.config import MODEL_PRESETS, RunConfig, config_hash
@@ -111,6 +112,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             standbys=args.standbys,
             chaos_s=args.chaos,
             chaos_seed=args.seed or 0,
+            metrics_base_port=args.metrics_base_port,
         )
     except KeyboardInterrupt:
         print("\nstopped: every coordinator and node process was terminated")
@@ -134,6 +136,39 @@ def cmd_up(args: argparse.Namespace) -> int:
             f"{redone} steps redone per failure, {s.epochs_restarted} epochs restarted"
         )
     return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print the run (once, or every ``--watch`` seconds until Ctrl-C); exit 1 if unreachable."""
+    import grpc
+
+    from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
+    from swarm.status import render, status_document
+
+    with grpc.insecure_channel(args.coordinator) as channel:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        while True:
+            try:
+                reply = stub.Status(coordinator_pb2.StatusRequest(since_step=1 << 62), timeout=args.timeout)
+                text = (
+                    json.dumps(status_document(reply), indent=1)
+                    if args.json
+                    else render(reply, args.coordinator)
+                )
+            except grpc.RpcError as e:
+                text = f"coordinator {args.coordinator} unreachable: {e.code().name}: {e.details()}"
+                if not args.watch:
+                    print(f"swarm status: {text}", file=sys.stderr)
+                    return 1
+            if args.watch:
+                print("\x1b[H\x1b[2J", end="")  # clear the terminal, cursor home
+            print(text, flush=True)
+            if not args.watch:
+                return 0
+            try:
+                time.sleep(args.watch)
+            except KeyboardInterrupt:
+                return 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
@@ -177,7 +212,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument(
         "--dead-after", type=float, default=15.0, help="seconds without a heartbeat before a node is dead"
     )
+    p.add_argument(
+        "--metrics-base-port",
+        type=int,
+        metavar="P",
+        help="serve /metrics: the coordinator on P (with /status), node i on P+1+i; printed at start",
+    )
     p.set_defaults(func=cmd_up)
+    p = sub.add_parser("status", help="show a running swarm: the run, and a table of its nodes")
+    p.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator's gRPC service")
+    p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh this often until Ctrl-C")
+    p.add_argument("--json", action="store_true", help="print the JSON document (as its HTTP /status)")
+    p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the coordinator")
+    p.set_defaults(func=cmd_status)
     p = sub.add_parser("bench", help="run the benchmarks; write JSON, a Markdown report and plots")
     p.add_argument("--quick", action="store_true", help="small smoke run (a few minutes; what CI runs)")
     p.add_argument(

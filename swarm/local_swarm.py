@@ -168,6 +168,7 @@ def up(
     standbys: int = 0,
     chaos_s: float = 0.0,
     chaos_seed: int = 0,
+    metrics_base_port: int | None = None,
 ) -> SwarmSummary:
     """Run ``config`` on a local swarm; returns when every node has finished (or raises).
 
@@ -177,6 +178,8 @@ def up(
     ``dead_after``: seconds without a heartbeat before the coordinator drops a node (raise it
     for very slow links, where heartbeats queue behind the frames). ``standbys``: extra nodes
     that wait to replace a lost one. ``chaos_s > 0``: kill a random stage host that often.
+    ``metrics_base_port``: the coordinator serves ``/metrics`` and ``/status`` on it, node ``i``
+    ``/metrics`` on the next ports (printed); None: no metrics endpoints.
     """
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -194,7 +197,15 @@ def up(
         coord_lines: list[str] = []
         coord_args = [*(coordinator_prefix or []), py, "-m", "coordinator.cli", "serve"]
         coord_args += ["--config", str(run / "run.toml"), "--port", "0", "--state", str(state_path)]
-        coord_args += ["--token", token, "--metrics-port", "-1", "--dead-after", str(dead_after)]
+        coord_metrics = -1 if metrics_base_port is None else metrics_base_port
+        coord_args += [
+            "--token",
+            token,
+            "--metrics-port",
+            str(coord_metrics),
+            "--dead-after",
+            str(dead_after),
+        ]
         coord_args += ["--host", coordinator_host] if coordinator_host else []
         coord_args += [] if use_dht else ["--no-dht"]
         coord = group.start(coord_args, run / "coordinator.err")
@@ -231,6 +242,8 @@ def up(
                 f"node{i}",
             ]
             args += [] if use_dht else ["--no-dht"]
+            if metrics_base_port is not None:
+                args += ["--metrics-port", str(metrics_base_port + 1 + i)]
             proc = group.start(args, run / f"node{i}.err")
             _tee(proc, run / f"node{i}.log", [])
             node_procs.append(proc)
@@ -238,6 +251,12 @@ def up(
 
         for i in range(nodes + standbys):
             start_node(i)
+        if metrics_base_port is not None:
+            host = coordinator_host or "127.0.0.1"
+            print(f"metrics: coordinator http://{host}:{metrics_base_port}/metrics (run JSON at /status)")
+            for i in range(nodes + standbys):
+                node_at = node_host(i) if node_host else "127.0.0.1"
+                print(f"metrics: node{i} http://{node_at}:{metrics_base_port + 1 + i}/metrics")
         start = time.monotonic()
         poller = StatusPoller(status_address)
         chaos = ChaosMonkey(chaos_s, chaos_seed) if chaos_s > 0 else None

@@ -1,20 +1,39 @@
-"""Prometheus metrics shared by the node daemon and the coordinator.
+"""Prometheus metrics shared by the node daemon and the coordinator, and the HTTP endpoint serving them.
 
 Each process owns one :class:`Metrics` with its own registry (so several can live in
-one test process) and serves it with :meth:`Metrics.serve` on ``--metrics-port``.
+one test process) and serves it with :meth:`Metrics.serve` on ``--metrics-host``/
+``--metrics-port``. The same HTTP server answers ``/healthz`` (liveness) and, on the
+coordinator, ``/status`` (the run as JSON for dashboards; see :mod:`swarm.status`).
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import json
+import threading
+import time
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
 class Metrics:
-    """The counters, gauges and histograms of one process."""
+    """The counters, gauges and histograms of one process (``role``: "node" or "coordinator")."""
 
     def __init__(self, role: str):
         self.registry = CollectorRegistry()
+        self.role = role
         r = self.registry
+        # -- traffic and compute (nodes) --
         self.tokens = Counter("swarm_tokens", "Tokens processed", ["stage"], registry=r)
         self.wire_bytes = Counter(
             "swarm_wire_bytes",
@@ -35,6 +54,38 @@ class Metrics:
             buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60),
             registry=r,
         )
+        self.stage_tokens_per_second = Gauge(
+            "swarm_stage_tokens_per_second",
+            "Tokens per second of the stage's last step",
+            ["stage"],
+            registry=r,
+        )
+        self.microbatch_compute = Histogram(
+            "swarm_microbatch_compute_seconds",
+            "Forward or backward compute of one microbatch (incl. boundary encode/decode)",
+            ["stage", "pass"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.microbatch_wire = Histogram(
+            "swarm_microbatch_wire_seconds",
+            "Time to hand one microbatch's frame to the boundary stream (incl. emulated link time)",
+            ["boundary", "direction"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            "swarm_stream_queue_depth",
+            "Frames received on a boundary and not yet computed",
+            ["boundary", "direction"],
+            registry=r,
+        )
+        self.reconnects = Counter(
+            "swarm_stream_reconnects",
+            "Boundary streams opened again after an earlier stream of that boundary ended",
+            ["boundary"],
+            registry=r,
+        )
         self.loss = Gauge("swarm_loss", "Training loss of the last step (last stage)", registry=r)
         self.step = Gauge("swarm_step", "Last completed optimizer step", ["stage"], registry=r)
         self.off_subspace = Gauge(
@@ -50,7 +101,11 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        # -- membership and recovery --
         self.nodes_alive = Gauge("swarm_nodes_alive", "Nodes with a recent heartbeat", registry=r)
+        self.stage_nodes = Gauge(
+            "swarm_stage_nodes", "Alive nodes hosting each stage (coordinator)", ["stage"], registry=r
+        )
         self.plan_epoch = Gauge(
             "swarm_plan_epoch", "Plan epoch in force (this node's, or the run's)", registry=r
         )
@@ -61,6 +116,13 @@ class Metrics:
         self.checkpoint_step = Gauge(
             "swarm_checkpoint_step", "Last step of the newest stored snapshot (or complete cut)", registry=r
         )
+        self._checkpoint_at = time.time()  # process start until the first snapshot
+        self.checkpoint_age = Gauge(
+            "swarm_checkpoint_age_seconds",
+            "Seconds since the newest snapshot (node) or complete cut (coordinator); since start if none",
+            registry=r,
+        )
+        self.checkpoint_age.set_function(lambda: time.time() - self._checkpoint_at)
         self.checkpoint_bytes = Counter(
             "swarm_checkpoint_uploaded_bytes", "Snapshot bytes uploaded to the coordinator", registry=r
         )
@@ -69,9 +131,74 @@ class Metrics:
             "Step reports queued for the coordinator, not yet acknowledged",
             registry=r,
         )
-        self.role = role
+        # -- the run as a whole (coordinator, over its recent steps) --
+        self.run_tokens_per_second = Gauge(
+            "swarm_run_tokens_per_second", "Pipeline throughput over the recent steps", registry=r
+        )
+        self.run_bytes_per_token = Gauge(
+            "swarm_run_bytes_per_token",
+            "Serialized boundary bytes per token per boundary, forward + backward, over the recent steps",
+            registry=r,
+        )
+        self.run_compression_ratio = Gauge(
+            "swarm_run_compression_ratio",
+            "Dense bf16 activation bytes over serialized boundary bytes, over the recent steps",
+            registry=r,
+        )
 
-    def serve(self, port: int, host: str = "127.0.0.1") -> int:
-        """Serve ``/metrics`` on ``host:port`` (port 0 picks a free one); returns the port."""
-        server, _ = start_http_server(port, addr=host, registry=self.registry)
-        return server.server_port
+    def checkpointed(self, step: int, at: float | None = None) -> None:
+        """A snapshot (node) or complete cut (coordinator) of ``step`` exists since ``at`` (unix time)."""
+        self.checkpoint_step.set(step)
+        self._checkpoint_at = time.time() if at is None else at
+
+    def serve(
+        self, port: int, host: str = "127.0.0.1", status: Callable[[], dict] | None = None
+    ) -> MetricsServer:
+        """Serve ``/metrics`` and ``/healthz`` (and ``/status`` from ``status()``) on ``host:port``."""
+        return MetricsServer(self.registry, host, port, status)
+
+
+class MetricsServer:
+    """A threaded HTTP server for one process: ``/metrics``, ``/healthz``, optionally ``/status``.
+
+    ``port`` 0 picks a free one (see :attr:`port`). Runs on a daemon thread until :meth:`close`.
+    """
+
+    def __init__(
+        self, registry: CollectorRegistry, host: str, port: int, status: Callable[[], dict] | None = None
+    ):
+        routes: dict[str, Callable[[], tuple[str, bytes]]] = {
+            "/metrics": lambda: (CONTENT_TYPE_LATEST, generate_latest(registry)),
+            "/healthz": lambda: ("text/plain; charset=utf-8", b"ok\n"),
+        }
+        if status is not None:
+            routes["/status"] = lambda: ("application/json", json.dumps(status(), indent=1).encode())
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                route = routes.get(self.path.split("?", 1)[0])
+                if route is None:
+                    self.send_error(404, f"no {self.path}; try {', '.join(routes)}")
+                    return
+                try:
+                    content_type, body = route()
+                except Exception as e:  # a status that cannot be built now: say so, keep serving
+                    self.send_error(503, f"{type(e).__name__}: {e}")
+                    return
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args) -> None:  # scrapes every few seconds: keep stderr quiet
+                pass
+
+        self._server = ThreadingHTTPServer((host, port), Handler)
+        self._server.daemon_threads = True
+        self.host, self.port = host, self._server.server_address[1]
+        threading.Thread(target=self._server.serve_forever, name="metrics-http", daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
