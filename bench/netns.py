@@ -138,6 +138,11 @@ class EmulatedNetwork:
         self._need_control()
         return ["ip", "netns", "exec", self.control_ns]
 
+    def block_tcp_port(self, i: int, port: int) -> None:
+        """Host ``i`` can no longer open TCP connections to ``port`` anywhere (a policy-routing
+        rule: its connects fail at once, as behind a firewall that rejects them)."""
+        _ip("-n", self.hosts[i], "rule", "add", "ipproto", "tcp", "dport", str(port), "prohibit")
+
     def _need_control(self) -> None:
         if not self.control:
             raise ValueError("this network was built without a control host (control=True)")

@@ -118,6 +118,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         now = time.monotonic() + max(0.0, RESUME_GRACE_S - dead_after_s)
         self.last_seen = dict.fromkeys(self.nodes, now)
         self.heartbeats: dict[str, coordinator_pb2.HeartbeatRequest] = {}  # the last one of each node
+        self.left: set[str] = set()  # nodes that said Leave (since this process started)
+        self.last_stages: dict[str, list[int]] = {}  # what each node hosted last
         self.reaper: asyncio.Task[None] | None = None
         metrics.subspace_version.set(self.rotation.version)
         self._update_alive()
@@ -240,6 +242,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._forget([r for r in self.checkpoints.values() if r.step < oldest_kept and r.step != restore])
 
     def _remove(self, node: NodeRecord) -> None:
+        self.last_stages[node.id] = list(node.stages)
         before = self._owners()
         node.alive, node.stages = False, []
         self.state.upsert_node(node)
@@ -365,6 +368,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.leaving.discard(request.node_id)
         if node is not None:
             log.info("node %s leaves: %s", node.id[:8], request.reason or "no reason given")
+            self.left.add(node.id)
             self._remove(node)
         return coordinator_pb2.LeaveReply()
 
@@ -587,6 +591,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     step=beat.step,
                     tokens_per_second=beat.tokens_per_second,
                     subspace_version=beat.subspace_version,
+                    left=n.id in self.left,
+                    last_stages=n.stages or self.last_stages.get(n.id, []),
                 )
             )
         completed = self.completed

@@ -121,7 +121,7 @@ async def _run(settings: NodeSettings, linger_s: float = 0.0) -> int:
     try:
         return await _follow(daemon, settings, linger_s)
     finally:
-        daemon.stop_metrics()
+        await daemon.close()
 
 
 async def _follow(daemon: NodeDaemon, settings: NodeSettings, linger_s: float) -> int:

@@ -80,6 +80,8 @@ class NodeResult:
 
 
 class NodeDaemon:
+    stage_service_name = stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name
+
     def __init__(self, settings: NodeSettings):
         self.settings = settings
         self.metrics = Metrics("node")
@@ -176,8 +178,13 @@ class NodeDaemon:
         await self.checkpointer.flush()
         await self.client.flush_reports()
 
-    def stop_metrics(self) -> None:
-        """Stop serving ``/metrics`` (kept up after :meth:`run` returns, for a lingering node)."""
+    async def close(self) -> None:
+        """Stop serving gRPC health and ``/metrics``, kept up after :meth:`run` returns (a lingering
+        node still answers probes and scrapes; its Stage service reports NOT_SERVING)."""
+        if self.server is not None:
+            await self.health.stop()
+            await self.server.stop(grace=2)
+            self.server = None
         if self.http is not None:
             self.http.close()
             self.http = None
@@ -358,7 +365,7 @@ class NodeDaemon:
         self.server = grpc.aio.server(options=server_options(self.settings.timeouts.keepalive))
         self.service = StageService(self.metrics, self.settings.link)
         stage_pb2_grpc.add_StageServicer_to_server(self.service, self.server)
-        self.health = Health(self.server, [stage_pb2.DESCRIPTOR.services_by_name["Stage"].full_name])
+        self.health = Health(self.server, [self.stage_service_name])
         host, port = split_host_port(self.settings.listen)
         bound = self.server.add_insecure_port(join_host_port(host, port))
         if bound == 0:
@@ -436,10 +443,8 @@ class NodeDaemon:
         if hasattr(self, "checkpointer"):
             await self.checkpointer.close()
         await self.client.close()
-        if self.server is not None:
-            await self.health.stop()
-            await self.server.stop(grace=2)
-
+        if self.server is not None:  # no more streams; the server itself stays up until close()
+            await self.health.set(self.stage_service_name, False)
         if self.dht is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.dht.shutdown(), timeout=3)

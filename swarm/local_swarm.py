@@ -88,10 +88,13 @@ class ProcessGroup:
     def __init__(self):
         self.procs: list[subprocess.Popen] = []
 
-    def start(self, args: list[str], log_path: Path) -> subprocess.Popen:
+    def start(
+        self, args: list[str], log_path: Path, cwd: Path | None = None, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
+        """Start ``args`` (stderr to ``log_path``, stdout piped) with ``env`` added to this environment."""
         log = open(log_path, "w")  # noqa: SIM115 - closed with the process
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
-        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=log, text=True, env=env, cwd=cwd)
         proc.log = log  # type: ignore[attr-defined]
         self.procs.append(proc)
         return proc
@@ -110,7 +113,7 @@ class ProcessGroup:
             p.log.close()  # type: ignore[attr-defined]
 
 
-def _tee(proc: subprocess.Popen, log_path: Path, lines: list[str]) -> threading.Thread:
+def tee(proc: subprocess.Popen, log_path: Path, lines: list[str]) -> threading.Thread:
     """Copy a child's stdout to its log (and a list, for the caller) on a background thread."""
 
     def pump() -> None:
@@ -135,7 +138,7 @@ def _last_error(path: Path) -> str:
     return next((x for x in reversed(lines) if x), "(no output)")
 
 
-def _wait_for_line(lines: list[str], pattern: re.Pattern, proc: subprocess.Popen, timeout: float) -> re.Match:
+def wait_for_line(lines: list[str], pattern: re.Pattern, proc: subprocess.Popen, timeout: float) -> re.Match:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         for line in lines:
@@ -209,16 +212,16 @@ def up(
         coord_args += ["--host", coordinator_host] if coordinator_host else []
         coord_args += [] if use_dht else ["--no-dht"]
         coord = group.start(coord_args, run / "coordinator.err")
-        _tee(coord, run / "coordinator.log", coord_lines)
-        address = _wait_for_line(coord_lines, LISTENING, coord, 60).group(1)
+        tee(coord, run / "coordinator.log", coord_lines)
+        address = wait_for_line(coord_lines, LISTENING, coord, 60).group(1)
         status_address = address
         if coordinator_prefix:
             relay_lines: list[str] = []
             relay_args = [*coordinator_prefix, py, "-m", "swarm.local_swarm", "relay", str(status_socket)]
             relay_args.append(address)
             relay_proc = group.start(relay_args, run / "relay.err")
-            _tee(relay_proc, run / "relay.log", relay_lines)
-            status_address = _wait_for_line(relay_lines, RELAYING, relay_proc, 60).group(1)
+            tee(relay_proc, run / "relay.log", relay_lines)
+            status_address = wait_for_line(relay_lines, RELAYING, relay_proc, 60).group(1)
         node_procs, logs = [], []
 
         def start_node(i: int) -> None:
@@ -245,7 +248,7 @@ def up(
             if metrics_base_port is not None:
                 args += ["--metrics-port", str(metrics_base_port + 1 + i)]
             proc = group.start(args, run / f"node{i}.err")
-            _tee(proc, run / f"node{i}.log", [])
+            tee(proc, run / f"node{i}.log", [])
             node_procs.append(proc)
             logs.append(run / f"node{i}.log")
 

@@ -75,8 +75,10 @@ def status_document(reply: cpb.StatusReply) -> dict:
                 "node": short_id(n.node_id),
                 "name": n.node_name,
                 "alive": n.alive,
+                "state": "alive" if n.alive else "left" if n.left else "dead",
                 "phase": phase_name(n.phase),
                 "stages": list(n.stages),
+                "last_stages": list(n.last_stages),
                 "step": n.step,
                 "tokens_per_second": n.tokens_per_second,
                 "last_heartbeat_age_s": round(n.last_heartbeat_age_s, 3),
@@ -106,19 +108,22 @@ def render(reply: cpb.StatusReply, coordinator: str) -> str:
         "",
     ]
     header = ("node", "name", "state", "phase", "stages", "step", "tok/s", "heartbeat", "subspace")
+    # stages: what a node hosts, or for a node that is gone what it hosted last
     rows = [
         (
             n["node"],
             n["name"],
-            "alive" if n["alive"] else "dead",
+            n["state"],
             n["phase"],
-            ",".join(map(str, n["stages"])) or ("standby" if n["alive"] else "-"),
+            ",".join(map(str, n["last_stages"])) or ("standby" if n["alive"] else "-"),
             str(n["step"]),
             f"{n['tokens_per_second']:.0f}",
             f"{n['last_heartbeat_age_s']:.1f}s ago",
             f"v{n['subspace_version']}",
         )
-        for n in sorted(doc["nodes"], key=lambda n: (not n["alive"], n["stages"] or [1 << 30], n["name"]))
+        for n in sorted(
+            doc["nodes"], key=lambda n: (not n["alive"], n["last_stages"] or [1 << 30], n["name"])
+        )
     ]
     widths = [max(len(str(c)) for c in column) for column in zip(header, *rows, strict=False)]
     for row in (header, *rows):

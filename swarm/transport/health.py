@@ -23,7 +23,11 @@ class Health:
 
     async def serving(self) -> None:
         for name in self.services:
-            await self.servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+            await self.set(name, True)
+
+    async def set(self, service: str, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse
+        await self.servicer.set(service, status.SERVING if serving else status.NOT_SERVING)
 
     async def stop(self) -> None:
         """NOT_SERVING for every service, and watchers are told (call before stopping the server)."""

@@ -1,0 +1,235 @@
+"""The README's multi-host recipe, run as written on emulated hosts.
+
+One network namespace per host on a shared bridge (:class:`bench.netns.EmulatedNetwork`),
+each host behind a ``tbf`` access link, nothing reachable through 127.0.0.1 across hosts::
+
+    ctl  10.213.0.1   swarm-coordinator serve (gRPC :7000, DHT :7001, HTTP :9100) [+ Prometheus :9090]
+    h0   10.213.0.2   swarm-node join, inbound :7100              -> stage 0
+    h1   10.213.0.3   swarm-node join --listen '' (dial-only)     -> stage 1
+    h2   10.213.0.4   swarm-node join, inbound :7100              -> stage 2
+    h3   10.213.0.5   swarm-node join, inbound, cannot reach TCP :7001 (no DHT) -> stage 3
+
+The commands are :data:`COORDINATOR` and :data:`INBOUND_NODE` / :data:`DIAL_ONLY_NODE`
+with the coordinator's address in place of ``COORD`` (the README quotes the same
+templates; a test checks it does); the join token travels in ``SWARM_TOKEN``. Nodes
+join one by one, so the stage of each is known, and linger after the run so their
+metrics can still be read. Used by ``tests/test_multihost.py`` and the ``multihost``
+benchmark section.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import secrets
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from bench.netns import EmulatedNetwork
+from swarm.config import ModelConfig, RunConfig, TrainConfig
+from swarm.local_swarm import RELAYING, ProcessGroup, StatusPoller, tee, wait_for_line
+
+COORDINATOR = (
+    "swarm-coordinator serve --config run.toml --host 0.0.0.0 --port 7000 --dht-listen /ip4/0.0.0.0/tcp/7001 "
+    "--metrics-host 0.0.0.0 --metrics-port 9100 --state run.sqlite"
+)
+INBOUND_NODE = (
+    "swarm-node join --coordinator COORD:7000 --listen 0.0.0.0:7100 --dht-listen /ip4/0.0.0.0/tcp/7101 "
+    "--metrics-host 0.0.0.0 --metrics-port 9100"
+)
+DIAL_ONLY_NODE = (
+    "swarm-node join --coordinator COORD:7000 --listen '' --metrics-host 0.0.0.0 --metrics-port 9100"
+)
+GRPC_PORT, DHT_PORT, METRICS_PORT, NODE_PORT, PROMETHEUS_PORT = 7000, 7001, 9100, 7100, 9090
+ROLES = ("inbound", "dial-only", "inbound", "no-dht")  # host i's node, hosting stage i
+LINGER_S = 120.0
+
+FETCH = """
+import sys, urllib.request
+sys.stdout.buffer.write(urllib.request.urlopen(sys.argv[1], timeout=10).read())
+"""
+HEALTH = """
+import sys, grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+with grpc.insecure_channel(sys.argv[1]) as channel:
+    request = health_pb2.HealthCheckRequest(service=sys.argv[2])
+    reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=10)
+print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
+"""
+
+
+@dataclasses.dataclass(frozen=True)
+class MultiHostPlan:
+    model: ModelConfig
+    train: TrainConfig
+    mbps: float = 100.0
+    prometheus: bool = False
+
+
+def command(template: str, coordinator_ip: str = "") -> list[str]:
+    """A recipe line as argv, with ``COORD`` replaced and the console script from this environment."""
+    argv = shlex.split(template.replace("COORD", coordinator_ip))
+    return [str(Path(sys.executable).with_name(argv[0])), *argv[1:]]
+
+
+class MultiHostSwarm:
+    """The topology above, started by :meth:`start` and torn down (processes, namespaces) on exit."""
+
+    def __init__(self, plan: MultiHostPlan, folder: Path):
+        self.plan, self.folder = plan, folder
+        self.config = RunConfig(model=plan.model, train=plan.train, n_stages=len(ROLES))
+        self.net = EmulatedNetwork(len(ROLES), plan.mbps, prefix="swsmh", control=True)
+        self.group = ProcessGroup()
+        self.token = secrets.token_hex(16)
+        self.nodes: list[subprocess.Popen] = []
+        self.socket = Path(tempfile.gettempdir()) / f"swarm-mh-{self.token[:12]}.sock"
+        self.poller: StatusPoller | None = None
+
+    def __enter__(self) -> MultiHostSwarm:
+        self.net.__enter__()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.poller is not None:
+            self.poller.close()
+        self.group.stop()
+        self.net.__exit__(*exc)
+        self.socket.unlink(missing_ok=True)
+
+    @property
+    def coordinator_ip(self) -> str:
+        return self.net.control_ip
+
+    def host_ip(self, i: int) -> str:
+        return self.net.host_ip(i)
+
+    def _start(self, prefix: list[str], argv: list[str], name: str, cwd: Path) -> subprocess.Popen:
+        env = {"SWARM_TOKEN": self.token}
+        proc = self.group.start([*prefix, *argv], self.folder / f"{name}.err", cwd=cwd, env=env)
+        tee(proc, self.folder / f"{name}.log", [])
+        return proc
+
+    def start(self) -> None:
+        """Coordinator (and Prometheus), then each node once the one before it has joined."""
+        ctl = self.net.control_prefix
+        (self.folder / "run.toml").write_text(self.config.to_toml())
+        self.coordinator = self._start(ctl, command(COORDINATOR), "coordinator", self.folder)
+        relay = [*ctl, sys.executable, "-m", "swarm.local_swarm", "relay", str(self.socket)]
+        relay.append(f"{self.coordinator_ip}:{GRPC_PORT}")
+        relay_proc = self.group.start(relay, self.folder / "relay.err")
+        lines: list[str] = []
+        tee(relay_proc, self.folder / "relay.log", lines)
+        self.poller = StatusPoller(wait_for_line(lines, RELAYING, relay_proc, 60).group(1))
+        self._wait(lambda: self._status() is not None, 90, "the coordinator to serve")
+        if self.plan.prometheus:
+            self._start_prometheus()
+        self.net.block_tcp_port(ROLES.index("no-dht"), DHT_PORT)
+        for i, role in enumerate(ROLES):
+            template = DIAL_ONLY_NODE if role == "dial-only" else INBOUND_NODE
+            argv = command(template, self.coordinator_ip)
+            data = self.folder / f"node{i}"
+            argv += ["--data-dir", str(data), "--name", f"node{i}", "--linger-s", str(LINGER_S)]
+            data.mkdir(exist_ok=True)
+            self.nodes.append(self._start(self.net.exec_prefix(i), argv, f"node{i}", data))
+            self._wait(lambda n=i + 1: len(self._status().nodes) >= n, 120, f"node{i} to join")
+
+    def _start_prometheus(self) -> None:
+        targets = [f"{self.host_ip(i)}:{METRICS_PORT}" for i in range(len(ROLES))]
+        config = {
+            "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
+            "scrape_configs": [
+                {
+                    "job_name": "swarm-coordinator",
+                    "static_configs": [{"targets": [f"{self.coordinator_ip}:9100"]}],
+                },
+                {"job_name": "swarm-nodes", "static_configs": [{"targets": targets}]},
+            ],
+        }
+        path = self.folder / "prometheus.yml"
+        path.write_text(json.dumps(config))  # JSON is YAML
+        argv = ["prometheus", f"--config.file={path}", f"--storage.tsdb.path={self.folder / 'tsdb'}"]
+        argv.append(f"--web.listen-address={self.coordinator_ip}:{PROMETHEUS_PORT}")
+        self.prometheus = self._start(self.net.control_prefix, argv, "prometheus", self.folder)
+
+    def _status(self):
+        try:
+            self.poller.poll()
+        except Exception:  # not serving yet
+            return None
+        return self.poller
+
+    def _wait(self, done, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not done():
+            exited = [p.args[-1] for p in self.group.procs if p.poll() not in (None,)]
+            if exited or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"waiting for {what}: processes exited {exited} or timed out; logs in {self.folder}"
+                )
+            time.sleep(0.5)
+
+    def wait_complete(self, timeout: float = 600) -> StatusPoller:
+        self._wait(
+            lambda: self._status() is not None and self.poller.run_complete, timeout, "the run to complete"
+        )
+        return self.poller
+
+    # -- looking at a host from inside it ---------------------------------------------------------
+
+    def _in(self, host: int | None) -> list[str]:
+        return self.net.control_prefix if host is None else self.net.exec_prefix(host)
+
+    def fetch(self, url: str, host: int | None = None) -> bytes:
+        """GET ``url`` from inside host ``host`` (None: the coordinator's host)."""
+        argv = [*self._in(host), sys.executable, "-c", FETCH, url]
+        return subprocess.run(argv, capture_output=True, check=True, timeout=60).stdout
+
+    def health(self, address: str, service: str = "", host: int | None = None) -> str:
+        """The gRPC health status (e.g. ``SERVING``) of ``address``, asked from inside ``host``."""
+        argv = [*self._in(host), sys.executable, "-c", HEALTH, address, service]
+        return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
+
+    def swarm_status(self, host: int, *flags: str) -> str:
+        """``swarm status --coordinator COORD:7000`` run on host ``host``."""
+        argv = [*command("swarm status"), "--coordinator", f"{self.coordinator_ip}:{GRPC_PORT}", *flags]
+        done = subprocess.run([*self._in(host), *argv], capture_output=True, text=True, timeout=120)
+        if done.returncode:
+            raise RuntimeError(f"swarm status failed: {done.stderr}")
+        return done.stdout
+
+    def log(self, name: str) -> str:
+        return (self.folder / f"{name}.log").read_text() + (self.folder / f"{name}.err").read_text()
+
+
+@contextlib.contextmanager
+def running(plan: MultiHostPlan, folder: Path) -> Iterator[MultiHostSwarm]:
+    """A started :class:`MultiHostSwarm` whose run has completed."""
+    with MultiHostSwarm(plan, folder) as swarm:
+        swarm.start()
+        swarm.wait_complete()
+        yield swarm
+
+
+def run(plan: MultiHostPlan) -> dict:
+    """The benchmark section: the recipe's swarm on its emulated hosts, and what it measured."""
+    with tempfile.TemporaryDirectory(prefix="swarm-multihost-") as tmp, running(plan, Path(tmp)) as swarm:
+        status = json.loads(swarm.fetch(f"http://{swarm.coordinator_ip}:{METRICS_PORT}/status"))
+        steps = swarm.poller.steps[2:] or swarm.poller.steps
+        seconds = sum(s.wall_seconds for s in steps)
+        return {
+            "hosts": len(ROLES) + 1,
+            "link_mbps": plan.mbps,
+            "roles": list(ROLES),
+            "steps": len(swarm.poller.steps),
+            "tokens_per_s": sum(s.tokens for s in steps) / seconds if seconds else 0.0,
+            "bytes_per_token": status["rates"]["bytes_per_token"],
+            "compression_ratio": status["rates"]["compression_ratio"],
+            "dht_joined": [i for i in range(len(ROLES)) if "DHT joined at" in swarm.log(f"node{i}")],
+            "dht_fallback": [i for i in range(len(ROLES)) if "DHT unavailable" in swarm.log(f"node{i}")],
+        }

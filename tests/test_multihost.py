@@ -1,0 +1,139 @@
+"""The README's multi-host recipe on emulated hosts (one network namespace each, no loopback across
+hosts): training with the DHT on, a dial-only node and a node that cannot reach the DHT;
+a real Prometheus scraping every process; gRPC health, /healthz and ``swarm status``."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import urllib.parse
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench import multihost
+from bench.multihost import COORDINATOR, DIAL_ONLY_NODE, INBOUND_NODE, METRICS_PORT, ROLES, MultiHostPlan
+from bench.netns import available
+from swarm.config import MODEL_PRESETS, TrainConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+OK, REASON = available()
+needs_netns = pytest.mark.skipif(not OK, reason=REASON)
+STEPS = 8
+
+
+def test_readme_quotes_the_recipe_this_test_runs():
+    readme = ROOT.joinpath("README.md").read_text()
+    for line in (COORDINATOR, INBOUND_NODE, DIAL_ONLY_NODE):
+        assert line in readme, f"README's multi-host section lacks: {line}"
+
+
+@pytest.fixture(scope="module")
+def swarm(tmp_path_factory) -> Iterator[multihost.MultiHostSwarm]:
+    if not OK:
+        pytest.skip(REASON)
+    train = TrainConfig(steps=STEPS, batch_size=4, seq_len=32, microbatches=2, lr=1e-2, warmup_steps=1)
+    plan = MultiHostPlan(MODEL_PRESETS["tiny"], train, mbps=100, prometheus=True)
+    with multihost.running(plan, tmp_path_factory.mktemp("multihost")) as running:
+        yield running
+
+
+def host_ips(text: str) -> set[str]:
+    return set(re.findall(r"\b(?:\d{1,3}\.){3}\d{1,3}\b", text))
+
+
+@needs_netns
+def test_recipe_trains_across_hosts_with_the_dht(swarm):
+    poller = swarm.poller
+    assert [s.step for s in poller.steps] == list(range(STEPS))
+    nodes = {n.node_name: n for n in poller.nodes}
+    for i, role in enumerate(ROLES):
+        n = nodes[f"node{i}"]
+        assert list(n.last_stages) == [i] and n.left  # it left when the run was complete
+        # Announced from the interface that reaches the coordinator, never 0.0.0.0 or loopback.
+        assert n.address == ("" if role == "dial-only" else f"{swarm.host_ip(i)}:{multihost.NODE_PORT}")
+    coordinator = swarm.log("coordinator")
+    dht = re.search(r"DHT at (.+)", coordinator).group(1)
+    assert host_ips(dht) == {swarm.coordinator_ip}, dht
+    for i, role in enumerate(ROLES):
+        log = swarm.log(f"node{i}")
+        if role == "no-dht":
+            assert "DHT unavailable, discovery falls back to the coordinator's addresses" in log
+        else:
+            joined = re.search(r"DHT joined at (.+)", log).group(1)
+            assert host_ips(joined) == {swarm.host_ip(i)}, joined
+        assert f"finished {STEPS} steps on stages [{i}]" in log
+        assert "fork_posix" not in log  # no gRPC C-core noise
+        assert "127.0.0.1" not in " ".join(re.findall(r"(?:dialled|accepted) .*", log))
+    assert re.search(rf"boundary 0: dialled stage 0 at {swarm.host_ip(0)}:7100", swarm.log("node1"))
+    assert re.search(rf"boundary 1: dialled stage 2 at {swarm.host_ip(2)}:7100", swarm.log("node1"))
+
+
+def promql(swarm, query: str) -> list[dict]:
+    url = f"http://{swarm.coordinator_ip}:9090/api/v1/query?query={urllib.parse.quote(query)}"
+    reply = json.loads(swarm.fetch(url))
+    assert reply["status"] == "success", reply
+    return reply["data"]["result"]
+
+
+@needs_netns
+def test_prometheus_scrapes_the_swarm(swarm):
+    up = promql(swarm, "up")
+    assert sorted((r["labels"] if "labels" in r else r["metric"])["instance"] for r in up) == sorted(
+        [f"{swarm.coordinator_ip}:{METRICS_PORT}"] + [f"{swarm.host_ip(i)}:{METRICS_PORT}" for i in range(4)]
+    )
+    assert all(r["value"][1] == "1" for r in up), up
+    (tokens,) = promql(swarm, 'swarm_run_tokens_per_second{job="swarm-coordinator"}')
+    assert float(tokens["value"][1]) > 0
+    (ratio,) = promql(swarm, 'swarm_run_compression_ratio{job="swarm-coordinator"}')
+    assert float(ratio["value"][1]) > 1
+    # The nodes' own counters agree that the wire carries less than dense bf16 would.
+    (node_ratio,) = promql(
+        swarm, 'sum(swarm_dense_equivalent_bytes_total{io="sent"}) / sum(swarm_wire_bytes_total{io="sent"})'
+    )
+    assert float(node_ratio["value"][1]) > 1
+    (per_stage,) = promql(swarm, "count(swarm_stage_tokens_per_second > 0)")
+    assert per_stage["value"][1] == "4"
+
+
+@needs_netns
+def test_promtool_accepts_every_exposition(swarm):
+    hosts = [(None, swarm.coordinator_ip)] + [(i, swarm.host_ip(i)) for i in range(len(ROLES))]
+    for host, ip in hosts:
+        text = swarm.fetch(f"http://{ip}:{METRICS_PORT}/metrics", host)
+        assert b"swarm_" in text
+        done = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True, timeout=60)
+        assert done.returncode == 0, (ip, done.stdout, done.stderr)
+
+
+@needs_netns
+def test_every_process_reports_healthy(swarm):
+    coordinator = f"{swarm.coordinator_ip}:{multihost.GRPC_PORT}"
+    assert swarm.health(coordinator, host=0) == "SERVING"
+    assert swarm.health(coordinator, "swarm.v1.Coordinator", host=0) == "SERVING"
+    for i, role in enumerate(ROLES):
+        if role != "dial-only":  # it has no gRPC port; its HTTP endpoint answers below
+            # Lingering after the run: the process is up, its Stage service takes no more streams.
+            assert swarm.health(f"{swarm.host_ip(i)}:7100") == "SERVING"
+            assert swarm.health(f"{swarm.host_ip(i)}:7100", "swarm.v1.Stage") == "NOT_SERVING"
+        assert swarm.fetch(f"http://{swarm.host_ip(i)}:{METRICS_PORT}/healthz") == b"ok\n"
+
+
+@needs_netns
+def test_swarm_status_from_a_volunteer_host(swarm):
+    table = swarm.swarm_status(2)
+    assert "complete" in table and f"step {STEPS - 1}" in table
+    assert "compression" in table and "tokens/s" in table
+    for i in range(len(ROLES)):
+        assert re.search(rf"node{i}\s+left\s+\w+\s+{i}\s+{STEPS - 1}\s", table), table
+    doc = json.loads(swarm.swarm_status(2, "--json"))
+    assert doc == json.loads(swarm.fetch(f"http://{swarm.coordinator_ip}:{METRICS_PORT}/status")) | {
+        "nodes": doc["nodes"]
+    }
+    assert doc["rates"]["compression_ratio"] > 1 and doc["rates"]["tokens_per_second"] > 0
+    full_ids = [n.node_id for n in swarm.poller.nodes]
+    for text in (table, json.dumps(doc)):
+        assert swarm.token not in text
+        assert not any(node_id in text for node_id in full_ids)  # ids are credentials: shortened
