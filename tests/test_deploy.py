@@ -13,6 +13,8 @@ from typing import Any
 import pytest
 import yaml
 
+from coordinator import cli as coordinator_cli
+from node import cli as node_cli
 from swarm.metrics import Metrics
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
@@ -159,3 +161,15 @@ def test_systemd_unit(role: str, command: str, services: dict[str, Any]) -> None
     assert "/var/lib/swarm" in service["ReadWritePaths"].split()
     if role == "node":
         assert service["TimeoutStopSec"] == "180"
+
+
+def test_every_compose_command_parses_with_the_real_cli(services: dict[str, Any]) -> None:
+    for name in SWARM:
+        program, *argv = services[name]["command"]
+        if program == "swarm-coordinator":
+            args = coordinator_cli.build_parser().parse_args(argv)
+            assert (args.host, args.port, args.metrics_host) == ("0.0.0.0", 7000, "0.0.0.0")
+        else:
+            args = node_cli.parse_args(argv)
+            assert (args.listen, args.announce) == ("0.0.0.0:7100", f"{name}:7100")
+        assert (args.dht_listen, args.log_format) == (flag(argv, "--dht-listen"), "json")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import urllib.parse
 from collections.abc import Iterator
@@ -17,10 +18,15 @@ from bench import multihost
 from bench.multihost import COORDINATOR, DIAL_ONLY_NODE, INBOUND_NODE, METRICS_PORT, ROLES, MultiHostPlan
 from bench.netns import available
 from swarm.config import MODEL_PRESETS, TrainConfig
+from tests.test_deploy import dashboard_exprs
 
 ROOT = Path(__file__).resolve().parents[1]
 OK, REASON = available()
 needs_netns = pytest.mark.skipif(not OK, reason=REASON)
+PROMETHEUS = shutil.which("prometheus") is not None and shutil.which("promtool") is not None
+needs_prometheus = pytest.mark.skipif(
+    not PROMETHEUS, reason="prometheus/promtool not installed (apt-get install prometheus)"
+)
 STEPS = 8
 
 
@@ -35,7 +41,7 @@ def swarm(tmp_path_factory) -> Iterator[multihost.MultiHostSwarm]:
     if not OK:
         pytest.skip(REASON)
     train = TrainConfig(steps=STEPS, batch_size=4, seq_len=32, microbatches=2, lr=1e-2, warmup_steps=1)
-    plan = MultiHostPlan(MODEL_PRESETS["tiny"], train, mbps=100, prometheus=True)
+    plan = MultiHostPlan(MODEL_PRESETS["tiny"], train, mbps=100, prometheus=PROMETHEUS)
     with multihost.running(plan, tmp_path_factory.mktemp("multihost")) as running:
         yield running
 
@@ -79,6 +85,7 @@ def promql(swarm, query: str) -> list[dict]:
 
 
 @needs_netns
+@needs_prometheus
 def test_prometheus_scrapes_the_swarm(swarm):
     up = promql(swarm, "up")
     assert sorted((r["labels"] if "labels" in r else r["metric"])["instance"] for r in up) == sorted(
@@ -96,9 +103,14 @@ def test_prometheus_scrapes_the_swarm(swarm):
     assert float(node_ratio["value"][1]) > 1
     (per_stage,) = promql(swarm, "count(swarm_stage_tokens_per_second > 0)")
     assert per_stage["value"][1] == "4"
+    # Every run-level panel of the Grafana dashboard shows data for this swarm.
+    for expr in dashboard_exprs():
+        if 'job="swarm-coordinator"' in expr and "rate(" not in expr:
+            assert promql(swarm, expr), expr
 
 
 @needs_netns
+@needs_prometheus
 def test_promtool_accepts_every_exposition(swarm):
     hosts = [(None, swarm.coordinator_ip)] + [(i, swarm.host_ip(i)) for i in range(len(ROLES))]
     for host, ip in hosts:
