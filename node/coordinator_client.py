@@ -146,6 +146,7 @@ class CoordinatorClient:
         """The hosted stages completed ``step``: the next heartbeats say so."""
         self.completed_step, self.tokens_per_second = step, tokens_per_second
         self.subspace_version = subspace_version
+        self.metrics.subspace_version.set(subspace_version)
 
     async def heartbeat(self) -> None:
         """One heartbeat now: report phase and progress, take in a new plan or the end of the run."""

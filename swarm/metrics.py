@@ -23,6 +23,7 @@ from prometheus_client import (
     generate_latest,
 )
 
+ROLES = ("node", "coordinator")
 SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 
@@ -30,10 +31,41 @@ class Metrics:
     """The counters, gauges and histograms of one process (``role``: "node" or "coordinator")."""
 
     def __init__(self, role: str):
+        if role not in ROLES:
+            raise ValueError(f"metrics role {role!r} is not one of {ROLES}")
         self.registry = CollectorRegistry()
         self.role = role
         r = self.registry
-        # -- traffic and compute (nodes) --
+        # -- both roles --
+        self.loss = Gauge("swarm_loss", "Training loss of the last step (last stage)", registry=r)
+        self.step = Gauge("swarm_step", "Last completed optimizer step", ["stage"], registry=r)
+        self.subspace_version = Gauge("swarm_subspace_version", "Subspace version in force", registry=r)
+        self.rejected = Counter(
+            "swarm_rejected_messages",
+            "Messages rejected as malformed, stale or unauthenticated",
+            ["reason"],
+            registry=r,
+        )
+        self.plan_epoch = Gauge(
+            "swarm_plan_epoch", "Plan epoch in force (this node's, or the run's)", registry=r
+        )
+        self.checkpoint_step = Gauge(
+            "swarm_checkpoint_step", "Last step of the newest stored snapshot (or complete cut)", registry=r
+        )
+        self._checkpoint_at = time.time()  # process start until the first snapshot
+        self.checkpoint_age = Gauge(
+            "swarm_checkpoint_age_seconds",
+            "Seconds since the newest snapshot (node) or complete cut (coordinator); since start if none",
+            registry=r,
+        )
+        self.checkpoint_age.set_function(lambda: time.time() - self._checkpoint_at)
+        if role == "node":
+            self._node(r)
+        else:
+            self._coordinator(r)
+
+    def _node(self, r: CollectorRegistry) -> None:
+        """Traffic, compute, streams and recovery of the stages one node hosts."""
         self.tokens = Counter("swarm_tokens", "Tokens processed", ["stage"], registry=r)
         self.wire_bytes = Counter(
             "swarm_wire_bytes",
@@ -86,43 +118,16 @@ class Metrics:
             ["boundary"],
             registry=r,
         )
-        self.loss = Gauge("swarm_loss", "Training loss of the last step (last stage)", registry=r)
-        self.step = Gauge("swarm_step", "Last completed optimizer step", ["stage"], registry=r)
         self.off_subspace = Gauge(
             "swarm_off_subspace_fraction",
             "||(I-P)G||/||G|| at the stage's inbound boundary",
             ["stage"],
             registry=r,
         )
-        self.subspace_version = Gauge("swarm_subspace_version", "Subspace version in force", registry=r)
-        self.rejected = Counter(
-            "swarm_rejected_messages",
-            "Messages rejected as malformed, stale or unauthenticated",
-            ["reason"],
-            registry=r,
-        )
-        # -- membership and recovery --
-        self.nodes_alive = Gauge("swarm_nodes_alive", "Nodes with a recent heartbeat", registry=r)
-        self.stage_nodes = Gauge(
-            "swarm_stage_nodes", "Alive nodes hosting each stage (coordinator)", ["stage"], registry=r
-        )
-        self.plan_epoch = Gauge(
-            "swarm_plan_epoch", "Plan epoch in force (this node's, or the run's)", registry=r
-        )
         self.epoch_restarts = Counter(
             "swarm_epoch_restarts", "Times this node rebuilt its stages for a new plan epoch", registry=r
         )
         self.phase = Gauge("swarm_node_phase", "Node phase (the NodePhase enum value)", registry=r)
-        self.checkpoint_step = Gauge(
-            "swarm_checkpoint_step", "Last step of the newest stored snapshot (or complete cut)", registry=r
-        )
-        self._checkpoint_at = time.time()  # process start until the first snapshot
-        self.checkpoint_age = Gauge(
-            "swarm_checkpoint_age_seconds",
-            "Seconds since the newest snapshot (node) or complete cut (coordinator); since start if none",
-            registry=r,
-        )
-        self.checkpoint_age.set_function(lambda: time.time() - self._checkpoint_at)
         self.checkpoint_bytes = Counter(
             "swarm_checkpoint_uploaded_bytes", "Snapshot bytes uploaded to the coordinator", registry=r
         )
@@ -131,7 +136,11 @@ class Metrics:
             "Step reports queued for the coordinator, not yet acknowledged",
             registry=r,
         )
-        # -- the run as a whole (coordinator, over its recent steps) --
+
+    def _coordinator(self, r: CollectorRegistry) -> None:
+        """Membership, and the run as a whole over its recent steps."""
+        self.nodes_alive = Gauge("swarm_nodes_alive", "Nodes with a recent heartbeat", registry=r)
+        self.stage_nodes = Gauge("swarm_stage_nodes", "Alive nodes hosting each stage", ["stage"], registry=r)
         self.run_tokens_per_second = Gauge(
             "swarm_run_tokens_per_second", "Pipeline throughput over the recent steps", registry=r
         )

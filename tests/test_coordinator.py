@@ -750,9 +750,9 @@ def test_restart_resumes_run_secret_nodes_and_rotations(tmp_path):
 
 def test_other_config_on_same_state_file_is_an_error(tmp_path):
     state = tmp_path / "state.sqlite"
-    CoordinatorService(tiny_config(), TOKEN, state, None, Metrics("c"), []).state.close()
+    CoordinatorService(tiny_config(), TOKEN, state, None, Metrics("coordinator"), []).state.close()
     with pytest.raises(ValueError, match="another --state file"):
-        CoordinatorService(tiny_config(n_stages=2), TOKEN, state, None, Metrics("c"), [])
+        CoordinatorService(tiny_config(n_stages=2), TOKEN, state, None, Metrics("coordinator"), [])
 
 
 # -- the CLI ----------------------------------------------------------------------------------

@@ -48,7 +48,7 @@ def test_health_and_a_stopped_node_shown_dead_within_the_timeout(tmp_path):
     with processes() as procs:
         address = coordinator(procs, tmp_path, 2000, "--dead-after", str(DEAD_AFTER_S), "--metrics-port", "0")
         http_port = int(procs[0].wait_for(r"metrics=(\d+)", 5).group(1))
-        node(procs, tmp_path, "node0", address)
+        json_logs = node(procs, tmp_path, "node0", address, "--log-format", "json")
         wait_for_nodes(address, 1)
         stopped = node(procs, tmp_path, "node1", address)
         reply = wait_status(address, lambda r: r.steps_completed >= 3, "3 steps", 120)
@@ -74,6 +74,15 @@ def test_health_and_a_stopped_node_shown_dead_within_the_timeout(tmp_path):
     assert seconds < DEAD_AFTER_S + 2.5, seconds
     assert re.search(r"\bnode1\s+dead\s", table) and re.search(r"\bnode0\s+alive\s", table), table
     assert not {n.node_name: n for n in reply.nodes}["node1"].left
+    # --log-format json: one object per line, each after the join naming the node and its stages.
+    lines = [json.loads(line) for line in json_logs.stdout().splitlines()]
+    node0 = {n.node_name: n for n in reply.nodes}["node0"].node_id[:8]
+    hosting = next(i for i, x in enumerate(lines) if "hosts stages [0]" in x["msg"])
+    later = lines[hosting:]
+    assert len(later) >= 2 and all(
+        (x["node"], x["stages"], x["level"]) == (node0, "0", "info") for x in later
+    )
+    assert all(isinstance(x["ts"], float) and x["logger"] == "swarm.operator" for x in lines)
 
 
 def summary(step: int, tokens: int, wire: int, at: float, loss: float = 1.0) -> cpb.StepSummary:
