@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench.netns import EmulatedNetwork
-from swarm.config import ModelConfig, RunConfig, TrainConfig
+from swarm.config import CodecConfig, ModelConfig, RunConfig, TrainConfig
 from swarm.local_swarm import RELAYING, ProcessGroup, StatusPoller, tee, wait_for_line
 
 COORDINATOR = (
@@ -70,6 +70,13 @@ class MultiHostPlan:
     train: TrainConfig
     mbps: float = 100.0
     prometheus: bool = False
+    codec: CodecConfig = dataclasses.field(default_factory=CodecConfig)  # the run's boundary codec
+
+    @property
+    def config(self) -> RunConfig:
+        constrained = self.codec.kind == "subspace"
+        model = dataclasses.replace(self.model, constrain_writes=constrained)
+        return RunConfig(model=model, codec=self.codec, train=self.train, n_stages=len(ROLES))
 
 
 def command(template: str, coordinator_ip: str = "") -> list[str]:
@@ -83,7 +90,7 @@ class MultiHostSwarm:
 
     def __init__(self, plan: MultiHostPlan, folder: Path):
         self.plan, self.folder = plan, folder
-        self.config = RunConfig(model=plan.model, train=plan.train, n_stages=len(ROLES))
+        self.config = plan.config
         self.net = EmulatedNetwork(len(ROLES), plan.mbps, prefix="swsmh", control=True)
         self.group = ProcessGroup()
         self.token = secrets.token_hex(16)
@@ -216,20 +223,29 @@ def running(plan: MultiHostPlan, folder: Path) -> Iterator[MultiHostSwarm]:
         yield swarm
 
 
-def run(plan: MultiHostPlan) -> dict:
-    """The benchmark section: the recipe's swarm on its emulated hosts, and what it measured."""
-    with tempfile.TemporaryDirectory(prefix="swarm-multihost-") as tmp, running(plan, Path(tmp)) as swarm:
-        status = json.loads(swarm.fetch(f"http://{swarm.coordinator_ip}:{METRICS_PORT}/status"))
-        steps = swarm.poller.steps[2:] or swarm.poller.steps
-        seconds = sum(s.wall_seconds for s in steps)
-        return {
-            "hosts": len(ROLES) + 1,
-            "link_mbps": plan.mbps,
-            "roles": list(ROLES),
-            "steps": len(swarm.poller.steps),
-            "tokens_per_s": sum(s.tokens for s in steps) / seconds if seconds else 0.0,
-            "bytes_per_token": status["rates"]["bytes_per_token"],
-            "compression_ratio": status["rates"]["compression_ratio"],
-            "dht_joined": [i for i in range(len(ROLES)) if "DHT joined at" in swarm.log(f"node{i}")],
-            "dht_fallback": [i for i in range(len(ROLES)) if "DHT unavailable" in swarm.log(f"node{i}")],
-        }
+def run(plan: MultiHostPlan, codecs: dict[str, CodecConfig]) -> list[dict]:
+    """The benchmark section: the recipe's swarm on its emulated hosts, once per codec, side by side."""
+    rows = []
+    for name, codec in codecs.items():
+        case = dataclasses.replace(plan, codec=codec)
+        with tempfile.TemporaryDirectory(prefix="swarm-multihost-") as tmp, running(case, Path(tmp)) as swarm:
+            status = json.loads(swarm.fetch(f"http://{swarm.coordinator_ip}:{METRICS_PORT}/status"))
+            steps = swarm.poller.steps[2:] or swarm.poller.steps  # past process start-up
+            seconds = sum(s.wall_seconds for s in steps)
+            logs = [swarm.log(f"node{i}") for i in range(len(ROLES))]
+            rows.append(
+                {
+                    "codec": name,
+                    "hosts": len(ROLES) + 1,
+                    "link_mbps": plan.mbps,
+                    "steps": len(swarm.poller.steps),
+                    "tokens_per_s": sum(s.tokens for s in steps) / seconds if seconds else 0.0,
+                    "bytes_per_token": status["rates"]["bytes_per_token"],
+                    "compression_ratio": status["rates"]["compression_ratio"],
+                    "dht_joined": sum("DHT joined at" in log for log in logs),
+                    "dht_fallback": sum("DHT unavailable" in log for log in logs),
+                }
+            )
+    for row in rows:
+        row["speedup_vs_first"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
+    return rows

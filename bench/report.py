@@ -109,6 +109,7 @@ def markdown(r: dict) -> str:
         "",
         *_peer_section(r),
         *_churn_section(r),
+        *_multihost_section(r),
         f"Section times (s): {', '.join(f'{k} {v:.0f}' for k, v in r['seconds'].items())}.",
     ]
     return "\n".join(out) + "\n"
@@ -169,6 +170,40 @@ def _churn_section(r: dict) -> list[str]:
                 ("mean recovery s", "mean_recovery_s", ".1f"),
                 ("max recovery s", "max_recovery_s", ".1f"),
                 ("steps redone / failure", "mean_steps_redone", ".1f"),
+            ],
+        ),
+        "",
+    ]
+
+
+def _multihost_section(r: dict) -> list[str]:
+    if "multihost" not in r:
+        return []
+    if isinstance(r["multihost"], dict):
+        return [
+            "## The README's multi-host recipe on emulated hosts",
+            f"Skipped: {r['multihost']['skipped']}.",
+            "",
+        ]
+    plan = r["plan"]["multihost"]
+    return [
+        "## The README's multi-host recipe on emulated hosts",
+        f"The README's `swarm-coordinator serve` / `swarm-node join` commands as written, one network "
+        f"namespace per host on a bridge, each node behind a {plan['mbps']:.0f} Mbit/s tbf access link: "
+        "a coordinator host and four node hosts (two inbound, one dial-only, one that cannot reach the "
+        "DHT), DHT on. Tokens/s past the first two steps; bytes and compression from the coordinator's "
+        "`/status` (last 10 steps).",
+        "",
+        _table(
+            r["multihost"],
+            [
+                ("codec", "codec", ""),
+                ("tokens/s", "tokens_per_s", ".0f"),
+                ("speed-up", "speedup_vs_first", ".2f"),
+                ("B/token/boundary", "bytes_per_token", ".1f"),
+                ("compression vs dense bf16", "compression_ratio", ".1f"),
+                ("nodes on the DHT", "dht_joined", ""),
+                ("DHT fallbacks", "dht_fallback", ""),
             ],
         ),
         "",

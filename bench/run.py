@@ -19,8 +19,9 @@ from pathlib import Path
 
 import torch
 
-from bench import churn, convergence, overhead, peer, report, throughput, wire
+from bench import churn, convergence, multihost, overhead, peer, report, throughput, wire
 from bench.codecs import CodecCase, codec_cases
+from bench.netns import available as netns_available
 from bench.throughput import Link
 from swarm.config import MODEL_PRESETS, ModelConfig, RunConfig, TrainConfig
 from swarm.data import load_dataset
@@ -42,6 +43,8 @@ class BenchPlan:
     shaper: str = "netns"
     peer: bool = True
     churn: churn.ChurnPlan | None = None
+    multihost: multihost.MultiHostPlan | None = None
+    multihost_codecs: list[str] = field(default_factory=lambda: ["dense bf16", "subspace bf16"])
 
 
 def plan(quick: bool) -> BenchPlan:
@@ -67,6 +70,9 @@ def plan(quick: bool) -> BenchPlan:
                 n_stages=3,
                 kill_every_s=10,
                 checkpoint_interval=5,
+            ),
+            multihost=multihost.MultiHostPlan(
+                tiny, TrainConfig(steps=8, batch_size=4, seq_len=32, microbatches=2), mbps=100
             ),
         )
     small = MODEL_PRESETS["small"]
@@ -97,6 +103,9 @@ def plan(quick: bool) -> BenchPlan:
             n_stages=4,
             kill_every_s=20,
             checkpoint_interval=10,
+        ),
+        multihost=multihost.MultiHostPlan(
+            small, TrainConfig(steps=20, batch_size=8, seq_len=128, microbatches=2), mbps=100
         ),
     )
 
@@ -158,7 +167,18 @@ def sections(p: BenchPlan, quick: bool) -> dict[str, Callable[[], object]]:
         out["peer"] = run_peer
     if p.churn is not None:
         out["churn"] = lambda: churn.run(p.churn)
+    if p.multihost is not None:
+        out["multihost"] = lambda: _multihost(p)
     return out
+
+
+def _multihost(p: BenchPlan) -> list[dict] | dict:
+    """The README's multi-host recipe on emulated hosts (needs network namespaces: root + iproute2)."""
+    ok, reason = netns_available()
+    if not ok:
+        return {"skipped": reason}
+    codecs = {c.name: c.codec for c in _pick(_cases(p.multihost.model), p.multihost_codecs)}
+    return multihost.run(p.multihost, codecs)
 
 
 def main(quick: bool, out: str | Path, resume: bool = False) -> dict:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+from bench.netns import available
 from swarm.cli import main
 
 
@@ -30,5 +31,13 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     assert churned["kills"] >= 1 and churned["recoveries"] == churned["kills"]
     assert all(0 <= k["steps_redone"] <= 5 for k in churned["kills_detail"])
     assert 0 < churned["retained"] < 1.5
-    assert "## Churn" in (tmp_path / "results.md").read_text()
+    report = (tmp_path / "results.md").read_text()
+    assert "## Churn" in report and "## The README's multi-host recipe" in report
+    if available()[0]:  # the recipe on emulated hosts, subspace next to dense
+        dense, subspace = results["multihost"]
+        assert dense["steps"] == subspace["steps"] == 8
+        assert subspace["compression_ratio"] > 3 * dense["compression_ratio"]
+        assert dense["dht_joined"] == subspace["dht_joined"] == 3  # the fourth host cannot reach it
+    else:
+        assert "skipped" in results["multihost"]
     assert "benchmarks done" in capsys.readouterr().out
