@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
 from swarm.status import render, run_rates, status_document
@@ -30,6 +31,11 @@ def health(address: str, service: str = "") -> str:
             health_pb2.HealthCheckRequest(service=service), timeout=5
         )
     return health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status)
+
+
+def reflected_services(address: str) -> set[str]:
+    with grpc.insecure_channel(address) as channel:
+        return set(ProtoReflectionDescriptorDatabase(channel).get_services())
 
 
 def swarm_status(address: str, *flags: str) -> str:
@@ -56,6 +62,9 @@ def test_health_and_a_stopped_node_shown_dead_within_the_timeout(tmp_path):
         assert health(address) == health(address, "swarm.v1.Coordinator") == "SERVING"
         for n in reply.nodes:
             assert health(n.address, "swarm.v1.Stage") == "SERVING"
+        # ... and describes itself through server reflection.
+        assert {"swarm.v1.Coordinator", "grpc.health.v1.Health"} <= reflected_services(address)
+        assert "swarm.v1.Stage" in reflected_services(reply.nodes[0].address)
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/healthz", timeout=5) as r:
             assert r.read() == b"ok\n"
         with urllib.request.urlopen(f"http://127.0.0.1:{http_port}/status", timeout=5) as r:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import random
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -104,6 +107,31 @@ def test_rotation_is_applied_at_its_step_on_every_stage(tmp_path):
 def test_swarm_up_command_runs_to_completion(tmp_path):
     args = [sys.executable, "-m", "swarm.cli", "up", "--preset", "tiny", "--steps", "3", "--stages", "2"]
     args += ["--batch-size", "4", "--seq-len", "32", "--run-dir", str(tmp_path / "up")]
-    done = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    base = free_port_range(3)
+    done = subprocess.run(
+        [*args, "--metrics-base-port", str(base)], capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     assert "3 steps" in done.stdout and "wire bytes/token" in done.stdout
+    # Every process's endpoint is printed, and each served there.
+    assert f"metrics: coordinator http://127.0.0.1:{base}/metrics" in done.stdout
+    for i in range(2):
+        assert f"metrics: node{i} http://127.0.0.1:{base + 1 + i}/metrics" in done.stdout
+        assert f"node metrics on 127.0.0.1:{base + 1 + i}" in (tmp_path / "up" / f"node{i}.log").read_text()
+    assert "listening on 127.0.0.1:" in (tmp_path / "up" / "coordinator.log").read_text()
+    assert f"metrics={base} " in (tmp_path / "up" / "coordinator.log").read_text()
+
+
+def free_port_range(n: int) -> int:
+    """A base port with the ``n`` ports from it free now (a random base, checked by binding)."""
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(20000, 60000)
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + n):
+                    stack.enter_context(socket.create_server(("127.0.0.1", port)))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {n} consecutive free ports")
