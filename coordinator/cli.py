@@ -75,6 +75,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--dead-after", type=float, default=15.0, help="seconds without heartbeat before death"
     )
     serve.add_argument("--log-format", choices=logs.FORMATS, default="text", help="text lines or JSON lines")
+    export = sub.add_parser(
+        "export",
+        help="write the run's trained model (latest complete checkpoint cut) as a model folder",
+        description="Reads the state file only: works while the coordinator serves, or after the run. "
+        "The coordinator also writes STATE.model/ by itself once the final cut is stored.",
+    )
+    export.add_argument("--state", default="./coordinator.sqlite", help="the coordinator's SQLite state file")
+    export.add_argument("--out", required=True, help="model folder to write (replaced if present)")
     return parser
 
 
@@ -146,9 +154,27 @@ async def serve(service: CoordinatorService, where: Endpoints) -> None:
             await asyncio.wait_for(dht_node.shutdown(), timeout=DHT_SHUTDOWN_S)
 
 
+def export(state: str, out: str) -> int:
+    """``swarm-coordinator export``: the model folder of the latest complete cut."""
+    from coordinator.export import NoCheckpoint, export_from_state
+    from coordinator.service import MAX_SNAPSHOT_BYTES
+
+    try:
+        manifest = export_from_state(state, out, MAX_SNAPSHOT_BYTES)
+    except (OSError, sqlite3.Error, NoCheckpoint, ValueError) as e:
+        print(f"swarm-coordinator export: {e}", file=sys.stderr)
+        return 1
+    print(
+        f"model at step {manifest['step']} (subspace version {manifest['subspace_version']}) written to {out}"
+    )
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point of ``swarm-coordinator``."""
     args = build_parser().parse_args(argv)
+    if args.command == "export":
+        return export(args.state, args.out)
     logs.setup(args.log_format, logging.INFO)
     try:
         config = load_config(args.config)

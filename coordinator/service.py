@@ -32,9 +32,11 @@ from typing import NoReturn
 import grpc
 
 from coordinator.assignment import assign, links_for, stages_of
+from coordinator.export import artifact_store, default_model_dir, trained_model
 from coordinator.rotation import Rejected, RotationCollector
 from coordinator.state import CheckpointRecord, CoordinatorState, NodeRecord, SavedStatistic
-from coordinator.store import ArtifactStore, UploadError
+from coordinator.store import UploadError
+from swarm import model_io
 from swarm._proto.swarm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from swarm.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
 from swarm.codecs.base import PayloadError
@@ -49,6 +51,7 @@ from swarm.transport.health import Health
 log = logging.getLogger("swarm.coordinator")
 
 MAX_SNAPSHOT_BYTES = 16 << 30
+EXPORT_WAIT_S = 120.0  # a stopping coordinator waits this long for the final model to be written
 RESUME_GRACE_S = 10.0
 PROBE_TIMEOUT_S = 2.0  # a node that does not answer a Ping this fast after a failure report is dead
 # Rejection label -> gRPC status: a fenced node must stop, a stale epoch only drops the call.
@@ -96,11 +99,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.run_id, self.auth_token, self.plan_epoch = run.id, run.auth_token, run.plan_epoch
         self.resume_step, self.restarts = run.resume_step, run.restarts
         state_file = Path(state_path)
-        self.store = ArtifactStore(state_file.with_name(state_file.name + ".artifacts"), MAX_SNAPSHOT_BYTES)
+        self.store = artifact_store(state_file, MAX_SNAPSHOT_BYTES)
         self.checkpoints = {(r.step, r.stage): r for r in self.state.checkpoints()}
         self.completed = self.state.completed_step(config.n_stages)
         self.cut_requests = 0
         self._cut_shown = -1  # the complete cut the checkpoint metrics describe
+        self.model_dir: Path | None = default_model_dir(state_path)  # where the final model goes
+        self._export_task: asyncio.Task | None = None
         self.leaving: set[str] = set()  # nodes that asked for a final cut and will Leave after it
         fixed, basis = initial_artifacts(config)
         embedding = matrix_to_bytes(fixed)
@@ -137,8 +142,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             queue.put_nowait(None)
 
     async def close(self) -> None:
-        """Stop the reaper and close the state file."""
+        """Stop the reaper, let a model export in progress finish, close the state file."""
         self.end_streams()
+        if self._export_task is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(self._export_task), EXPORT_WAIT_S)
         if self.reaper is not None:
             self.reaper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -488,7 +496,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if cuts and cuts[0] != self._cut_shown:
             self._cut_shown = cuts[0]
             self.metrics.checkpointed(cuts[0])
+            if cuts[0] == self.config.train.steps - 1 and self.model_dir is not None:
+                self._export_task = asyncio.create_task(self._export_final_model())
         return coordinator_pb2.CheckpointAck(latest_cut=cuts[0] + 1 if cuts else 0)
+
+    async def _export_final_model(self) -> None:
+        """The run's final cut is stored: write the trained model folder (off the event loop)."""
+        records = list(self.checkpoints.values())
+        try:
+            model = await asyncio.to_thread(trained_model, self.config, records, self.store)
+            manifest = await asyncio.to_thread(model_io.save, model, self.model_dir)
+        except Exception as e:  # the snapshots stay in the store: `swarm-coordinator export` can retry
+            log.error("could not export the trained model to %s: %s", self.model_dir, e)
+            return
+        log.info("trained model (step %d) written to %s", manifest["step"], self.model_dir)
 
     async def WatchRotations(self, request, context) -> AsyncIterator[common_pb2.Rotation]:
         queue: asyncio.Queue[SubspaceRotation | None] = asyncio.Queue()

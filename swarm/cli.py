@@ -171,6 +171,26 @@ def cmd_status(args: argparse.Namespace) -> int:
                 return 0
 
 
+def cmd_generate(args: argparse.Namespace) -> int:
+    from swarm import model_io
+    from swarm.config import pick_device
+    from swarm.generate import Sampling, generate
+
+    trained = model_io.load(args.model)
+    sampling = Sampling(args.max_tokens, args.temperature, args.top_p, args.seed)
+    print(generate(trained, args.prompt, sampling, pick_device(args.device)))
+    return 0
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    from swarm import model_io
+    from swarm.hf_export import export_hf
+
+    out = export_hf(model_io.load(args.model), args.hf)
+    print(f"LlamaForCausalLM and its tokenizer written to {out} (load with from_pretrained)")
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from bench.run import main as bench_main
 
@@ -225,6 +245,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true", help="print the JSON document (as its HTTP /status)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the coordinator")
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("generate", help="sample text from a trained model folder (KV-cached)")
+    p.add_argument(
+        "--model", required=True, help="model folder (swarm train --out X: X/model; a coordinator's)"
+    )
+    p.add_argument("--prompt", required=True)
+    p.add_argument(
+        "--max-tokens", type=int, default=64, help="tokens to generate (stops at the context length)"
+    )
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy (deterministic)")
+    p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text")
+    p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda:0 ...")
+    p.set_defaults(func=cmd_generate)
+    p = sub.add_parser("export", help="export a trained model folder to Hugging Face transformers (LLaMA)")
+    p.add_argument("--model", required=True, help="model folder")
+    p.add_argument("--hf", required=True, help="output folder for LlamaForCausalLM.from_pretrained")
+    p.set_defaults(func=cmd_export)
     p = sub.add_parser("bench", help="run the benchmarks; write JSON, a Markdown report and plots")
     p.add_argument("--quick", action="store_true", help="small smoke run (a few minutes; what CI runs)")
     p.add_argument(
@@ -235,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return args.func(args)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # bad arguments, a missing or corrupt file (ModelFormatError too)
         print(f"swarm: error: {e}", file=sys.stderr)
         return 2
 

@@ -79,6 +79,31 @@ class ResidualWrite(nn.Module):
         return y if basis is None else y @ basis.T
 
 
+class LayerCache:
+    """Keys and values (B, H, positions, hd) of one layer's earlier positions."""
+
+    def __init__(self):
+        self.k: torch.Tensor | None = None
+        self.v: torch.Tensor | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append this call's keys and values; returns all of them."""
+        self.k = k if self.k is None else torch.cat([self.k, k], dim=2)
+        self.v = v if self.v is None else torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+
+class KVCache:
+    """What incremental decoding keeps of the tokens seen so far, for the layers of one stage."""
+
+    def __init__(self):
+        self.length = 0  # positions cached
+        self.layers: dict[int, LayerCache] = {}
+
+    def layer(self, index: int) -> LayerCache:
+        return self.layers.setdefault(index, LayerCache())
+
+
 class Attention(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
@@ -86,11 +111,26 @@ class Attention(nn.Module):
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
         self.out = ResidualWrite(config.d_model, config.d_model, _write_rank(config))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, basis: torch.Tensor | None):
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        basis: torch.Tensor | None,
+        cache: LayerCache | None = None,
+    ):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        past = 0
+        if cache is not None:
+            past = 0 if cache.k is None else cache.k.shape[2]
+            k, v = cache.extend(k, v)
+        if past == 0:
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # query i (position past+i) sees keys 0..past+i
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=x.device).tril(past)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         return self.out(y.transpose(1, 2).reshape(B, T, -1), basis)
 
 
@@ -113,8 +153,15 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, basis: torch.Tensor | None):
-        x = x + self.attn(self.attn_norm(x), cos, sin, basis)
+    def forward(
+        self,
+        x: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        basis: torch.Tensor | None,
+        cache: LayerCache | None = None,
+    ):
+        x = x + self.attn(self.attn_norm(x), cos, sin, basis, cache)
         return x + self.mlp(self.mlp_norm(x), basis)
 
 
@@ -140,7 +187,8 @@ class Stage(nn.Module):
     ``basis`` is used (and required) only when ``config.constrained``.
     ``forward(tokens, x)`` takes the token ids (B x T) and, except on the first stage,
     the residual stream entering the stage (B x T x d); it returns the residual stream
-    leaving it, or the logits on the last stage.
+    leaving it, or the logits on the last stage. With a :class:`KVCache` the tokens are the
+    positions after those already cached (incremental decoding), and are cached in turn.
     """
 
     def __init__(
@@ -170,17 +218,22 @@ class Stage(nn.Module):
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False) if self.is_last else None
         init_parameters(self, seed)
 
-    def forward(self, tokens: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, tokens: torch.Tensor, x: torch.Tensor | None = None, cache: KVCache | None = None
+    ) -> torch.Tensor:
+        past = cache.length if cache is not None else 0
         T = tokens.shape[1]
-        if self.config.max_seq_len < T:
-            raise ValueError(f"sequence length {T} exceeds max_seq_len={self.config.max_seq_len}")
+        if self.config.max_seq_len < past + T:
+            raise ValueError(f"sequence length {past + T} exceeds max_seq_len={self.config.max_seq_len}")
         if self.embed is not None:
             x = self.embed(tokens, self.fixed_embedding, self.basis)
         elif x is None:
             raise ValueError(f"stage [{self.start}, {self.end}) needs the incoming residual stream")
-        cos, sin = self.rope_cos[:T].to(x.dtype), self.rope_sin[:T].to(x.dtype)
-        for block in self.layers.values():
-            x = block(x, cos, sin, self.basis)
+        cos, sin = self.rope_cos[past : past + T].to(x.dtype), self.rope_sin[past : past + T].to(x.dtype)
+        for i, block in self.layers.items():
+            x = block(x, cos, sin, self.basis, cache.layer(int(i)) if cache is not None else None)
+        if cache is not None:
+            cache.length += T
         if self.head is not None:
             x = self.head(self.norm(x))
         return x

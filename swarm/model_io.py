@@ -36,6 +36,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from swarm.config import RunConfig, config_hash
 from swarm.data import BpeTokenizer, ByteTokenizer, Tokenizer, build_tokenizer, load_texts
 from swarm.model import Stage, tensor_digest
+from swarm.worker import StageWorker
 
 MODEL_FORMAT = 1
 WEIGHTS, RUN, TOKENIZER, MANIFEST = "model.safetensors", "run.json", "tokenizer.json", "manifest.json"
@@ -58,7 +59,9 @@ class TrainedModel:
         m = self.config.model
         basis = self.tensors.get("basis")
         model = Stage(m, 0, m.n_layers, self.tensors["fixed_embedding"], basis, self.config.train.seed)
-        state = {k: v for k, v in self.tensors.items() if k != "fixed_embedding" and not k.startswith("mapl.")}
+        state = {
+            k: v for k, v in self.tensors.items() if k != "fixed_embedding" and not k.startswith("mapl.")
+        }
         model.load_state_dict(state)
         return model.to(device).eval()
 
@@ -84,9 +87,22 @@ def consolidate(stage_states: Sequence[dict], mapl_states: Sequence[dict], fixed
     return {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
 
 
+def from_workers(workers: Sequence[StageWorker], step: int) -> TrainedModel:
+    """The model held by a run's stage workers (e.g. a :class:`~swarm.pipeline.LocalPipeline`'s)."""
+    config = workers[0].config
+    tensors = consolidate(
+        [w.stage.state_dict() for w in workers],
+        [{side: b.state_dict() for side, b in w.mapl.items()} for w in workers],
+        workers[0].stage.fixed_embedding,
+    )
+    return TrainedModel(config, tensors, step, workers[0].version, tokenizer_json(config))
+
+
 def tokenizer_json(config: RunConfig) -> str:
     """The run's tokenizer as a Hugging Face ``tokenizer.json`` (bytes as tokens 0-255 for "byte")."""
-    tokenizer = build_tokenizer(config.data.tokenizer, load_texts(config.data.source), config.model.vocab_size)
+    tokenizer = build_tokenizer(
+        config.data.tokenizer, load_texts(config.data.source), config.model.vocab_size
+    )
     return _hf_json(tokenizer)
 
 
@@ -106,7 +122,11 @@ def _hf_json(tokenizer: Tokenizer) -> str:
 
 def _byte_symbols() -> dict[int, str]:
     """GPT-2's byte -> printable symbol table (what ``ByteLevel`` maps each byte to)."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
     table, extra = {b: chr(b) for b in printable}, 0
     for b in range(256):
         if b not in table:

@@ -11,6 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from swarm import model_io
 from swarm.config import RunConfig, pick_device
 from swarm.data import BatchSampler, TokenDataset, ValidationBatches, batch_ids, load_dataset
 from swarm.pipeline import LocalPipeline
@@ -54,7 +55,8 @@ def train(
     progress: bool = True,
     out_dir: str | Path | None = None,
 ) -> TrainSummary:
-    """Train ``config.train.steps`` steps on the run's corpus; optionally write ``summary.json``."""
+    """Train ``config.train.steps`` steps on the run's corpus; with ``out_dir``, write ``summary.json``
+    and the trained model to ``out_dir/model`` (the format a swarm's coordinator exports)."""
     dev = pick_device(device)
     torch.manual_seed(config.train.seed)
     dataset = dataset or load_dataset(config)
@@ -87,6 +89,7 @@ def train(
         path = Path(out_dir)
         path.mkdir(parents=True, exist_ok=True)
         (path / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
+        model_io.save(model_io.from_workers(pipe.workers, config.train.steps - 1), path / "model")
     return summary
 
 
