@@ -11,7 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from swarm import model_io
 from swarm.artifacts import ArtifactCache
 from swarm.config import MODEL_PRESETS, CodecConfig, RotationConfig, RunConfig, TrainConfig
 from swarm.data import BatchSampler, batch_ids, load_dataset
@@ -70,6 +72,31 @@ def test_each_node_fetched_the_embedding_once(three_stage_run):
     for node in range(3):
         text = log_text(run, node)
         assert text.count("fetched") == 1 and "cache hit" not in text
+
+
+def test_the_coordinator_exports_the_model_a_local_run_would_train(three_stage_run, tmp_path):
+    """The final cut becomes STATE.model/ by itself; ``swarm-coordinator export`` writes the same."""
+    config, run, _ = three_stage_run
+    auto = model_io.load(run / "coordinator.sqlite.model")
+    assert auto.step == config.train.steps - 1 and auto.config == config
+    cli = [sys.executable, "-m", "coordinator.cli", "export", "--state", str(run / "coordinator.sqlite")]
+    done = subprocess.run(
+        [*cli, "--out", str(tmp_path / "model")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
+    on_demand = model_io.load(tmp_path / "model")
+    assert on_demand.tensors.keys() == auto.tensors.keys()
+    assert all(torch.equal(on_demand.tensors[k], auto.tensors[k]) for k in auto.tensors)
+    # The same weights as the single-process pipeline trained on the same batches.
+    t = config.train
+    sampler = BatchSampler(load_dataset(config, tmp_path / "cache").train, t.batch_size, t.seq_len, t.seed)
+    pipe = LocalPipeline(config)
+    for step in range(t.steps):
+        pipe.train_step(step, batch_ids(*sampler.next_batch()))
+    local = model_io.from_workers(pipe.workers, t.steps - 1)
+    assert local.tensors.keys() == auto.tensors.keys()
+    worst = max((local.tensors[k] - auto.tensors[k]).abs().max().item() for k in auto.tensors)
+    assert worst < 1e-5, worst
 
 
 def test_restart_reuses_cache_corruption_refetches_two_stages_on_one_node(three_stage_run):
