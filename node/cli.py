@@ -18,6 +18,7 @@ from node.coordinator_client import CoordinatorUnreachable, Fenced
 from node.daemon import NodeDaemon
 from node.settings import NodeSettings, Timeouts
 from swarm import logs
+from swarm.inference import BOUNDARIES, FORMATS
 from swarm.logs import say
 from swarm.transport.shaper import LinkProfile
 
@@ -96,7 +97,46 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=0.0,
         help="after the run ends, keep serving --metrics-port this many seconds (a signal ends it early)",
     )
+    serve = sub.add_parser("serve", help="serve one stage of a trained model for generation sessions")
+    serve.add_argument("--model", required=True, help="model folder (swarm train --out, a coordinator's)")
+    serve.add_argument("--stage", type=int, required=True, help="the pipeline stage to serve")
+    serve.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT of the Inference service")
+    serve.add_argument("--boundary", choices=BOUNDARIES, default="subspace", help="what crosses a boundary")
+    serve.add_argument("--format", choices=FORMATS, default="bf16", help="tensor format of boundary frames")
+    serve.add_argument("--session-timeout", type=float, default=300.0, help="seconds a session may stay idle")
+    serve.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda:0 ...")
+    serve.add_argument("--log-format", choices=logs.FORMATS, default="text", help="text lines or JSON lines")
     return parser.parse_args(argv)
+
+
+def serve_stage(args: argparse.Namespace) -> int:
+    """``swarm-node serve``: load the stage, serve it until SIGINT/SIGTERM."""
+    from node.inference_service import serve
+    from swarm import model_io
+    from swarm.config import pick_device
+    from swarm.inference import InferenceStage
+    from swarm.metrics import Metrics
+
+    try:
+        trained = model_io.load(args.model)
+        stage = InferenceStage(trained, args.stage, args.boundary, args.format, pick_device(args.device))
+    except ValueError as e:
+        print(f"swarm-node serve: {e}", file=sys.stderr)
+        return 2
+
+    async def run() -> None:
+        task = asyncio.current_task()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
+        with contextlib.suppress(asyncio.CancelledError):
+            await serve(stage, args.listen, args.session_timeout, Metrics("node"))
+
+    try:
+        uvloop.run(run())
+    except RuntimeError as e:  # e.g. the port is taken
+        print(f"swarm-node serve: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 async def _run(settings: NodeSettings, linger_s: float = 0.0) -> int:
@@ -152,6 +192,8 @@ async def _follow(daemon: NodeDaemon, settings: NodeSettings, linger_s: float) -
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logs.setup(args.log_format, logging.WARNING)
+    if args.command == "serve":
+        return serve_stage(args)
     settings = NodeSettings(
         coordinator=args.coordinator,
         token=args.token,

@@ -178,7 +178,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
     trained = model_io.load(args.model)
     sampling = Sampling(args.max_tokens, args.temperature, args.top_p, args.seed)
-    print(generate(trained, args.prompt, sampling, pick_device(args.device)))
+    if not args.servers:
+        print(generate(trained, args.prompt, sampling, pick_device(args.device)))
+        return 0
+    from swarm.remote_generate import generate_remote, parse_servers
+
+    text, stats = generate_remote(trained, args.prompt, sampling, parse_servers(args.servers))
+    print(text)
+    per_boundary = ", ".join(f"{b:.1f}" for b in stats.bytes_per_token)
+    print(
+        f"{stats.decode_steps} tokens at {stats.tokens_per_second:.1f} tokens/s through the swarm; "
+        f"frame bytes per token per boundary: {per_boundary}; failovers: {stats.failovers or 'none'}",
+        file=sys.stderr,
+    )
     return 0
 
 
@@ -257,6 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--top-p", type=float, default=0.95, help="nucleus sampling mass")
     p.add_argument("--seed", type=int, default=0, help="sampling seed: the same seed gives the same text")
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda:0 ...")
+    p.add_argument(
+        "--servers",
+        nargs="*",
+        metavar="STAGE=HOST:PORT[,HOST:PORT]",
+        help="generate through these swarm-node serve processes (spares after the first: failover)",
+    )
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("export", help="export a trained model folder to Hugging Face transformers (LLaMA)")
     p.add_argument("--model", required=True, help="model folder")

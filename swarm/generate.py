@@ -10,6 +10,7 @@ same tokens (a test checks it).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +52,27 @@ def check_prompt(prompt_ids: list[int], vocab_size: int, max_seq_len: int) -> No
         raise ValueError(f"the prompt holds token ids outside the vocabulary (size {vocab_size})")
 
 
+def sample(
+    prompt_ids: list[int],
+    sampling: Sampling,
+    max_seq_len: int,
+    logits_after: Callable[[list[int]], torch.Tensor],
+) -> list[int]:
+    """The decoding loop: ``logits_after(new_ids)`` feeds the next tokens (the prompt first, then one
+    at a time) to a model that remembers the earlier ones, and returns the last position's logits."""
+    generator = torch.Generator().manual_seed(sampling.seed)
+    budget = min(sampling.max_new_tokens, max_seq_len - len(prompt_ids))
+    out: list[int] = []
+    if budget <= 0:
+        return out
+    logits = logits_after(prompt_ids)
+    while True:
+        out.append(pick_token(logits, sampling, generator))
+        if len(out) == budget:
+            return out
+        logits = logits_after(out[-1:])
+
+
 @torch.no_grad()
 def generate_ids(
     model: Stage, prompt_ids: list[int], sampling: Sampling, use_cache: bool = True
@@ -59,21 +81,15 @@ def generate_ids(
     m = model.config
     check_prompt(prompt_ids, m.vocab_size, m.max_seq_len)
     device = next(model.parameters()).device
-    generator = torch.Generator().manual_seed(sampling.seed)
-    budget = min(sampling.max_new_tokens, m.max_seq_len - len(prompt_ids))
-    ids = torch.tensor([prompt_ids], device=device)
-    cache = KVCache() if use_cache else None
-    logits = model(ids, cache=cache)[0, -1]
-    out: list[int] = []
-    while len(out) < budget:
-        out.append(pick_token(logits, sampling, generator))
-        if len(out) == budget:
-            break
-        if cache is not None:
-            logits = model(torch.tensor([[out[-1]]], device=device), cache=cache)[0, -1]
-        else:
-            logits = model(torch.tensor([prompt_ids + out], device=device))[0, -1]
-    return out
+    cache, seen = KVCache(), []
+
+    def logits_after(new_ids: list[int]) -> torch.Tensor:
+        if use_cache:
+            return model(torch.tensor([new_ids], device=device), cache=cache)[0, -1]
+        seen.extend(new_ids)  # no cache: the whole sequence again
+        return model(torch.tensor([seen], device=device))[0, -1]
+
+    return sample(prompt_ids, sampling, m.max_seq_len, logits_after)
 
 
 def refuse_mapl(trained: TrainedModel, what: str) -> None:

@@ -54,15 +54,15 @@ class TrainedModel:
     subspace_version: int
     tokenizer_json: str
 
-    def build(self, device: torch.device | str = "cpu") -> Stage:
-        """The full model (every layer, embedding and head) with these weights, in eval mode."""
+    def build(self, device: torch.device | str = "cpu", start: int = 0, end: int | None = None) -> Stage:
+        """Layers ``[start, end)`` (default: the full model, embedding and head) with these weights,
+        in eval mode."""
         m = self.config.model
+        end = m.n_layers if end is None else end
         basis = self.tensors.get("basis")
-        model = Stage(m, 0, m.n_layers, self.tensors["fixed_embedding"], basis, self.config.train.seed)
-        state = {
-            k: v for k, v in self.tensors.items() if k != "fixed_embedding" and not k.startswith("mapl.")
-        }
-        model.load_state_dict(state)
+        model = Stage(m, start, end, self.tensors["fixed_embedding"], basis, self.config.train.seed)
+        wanted = model.state_dict().keys()
+        model.load_state_dict({k: v for k, v in self.tensors.items() if k in wanted})
         return model.to(device).eval()
 
     def tokenizer(self) -> BpeTokenizer:

@@ -1,0 +1,125 @@
+"""Generation through a swarm of ``swarm-node serve`` processes: equal to local generation token for
+token, frame bytes as the codec accounts them, and a ``kill -9`` survived by history replay."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from swarm import model_io
+from swarm.config import MODEL_PRESETS, CodecConfig, DataConfig, RunConfig, TrainConfig
+from swarm.generate import Sampling, generate_ids, sample
+from swarm.inference import InferenceStage
+from swarm.model import KVCache
+from swarm.remote_generate import SwarmGenerator
+from swarm.train import train
+from tests.procs import Proc, processes
+
+PROMPT = list(b"To be, or not to be")
+GREEDY = Sampling(max_new_tokens=24, temperature=0)
+
+
+@dataclasses.dataclass
+class Servers:
+    model: model_io.TrainedModel
+    procs: dict[str, Proc]
+    addresses: dict[str, str]
+
+    def of(self, *names: str) -> dict[int, list[str]]:
+        """Servers by stage, in the order given (later ones are spares)."""
+        out: dict[int, list[str]] = {}
+        for name in names:
+            out.setdefault(int(name[1]), []).append(self.addresses[name])
+        return out
+
+
+def serve(procs: list[Proc], folder: Path, model: Path, name: str, stage: int, *flags: str) -> Proc:
+    args = [sys.executable, "-m", "node.cli", "serve", "--model", str(model), "--stage", str(stage)]
+    args += ["--device", "cpu", *flags]
+    procs.append(Proc(args, folder / f"{name}.err"))
+    return procs[-1]
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory) -> Iterator[Servers]:
+    folder = tmp_path_factory.mktemp("generate")
+    config = RunConfig(
+        model=dataclasses.replace(MODEL_PRESETS["tiny"]),
+        codec=CodecConfig(kind="subspace"),
+        train=TrainConfig(steps=20, batch_size=4, seq_len=32, microbatches=2, lr=1e-2, warmup_steps=2),
+        data=DataConfig(tokenizer="byte"),
+        n_stages=3,
+    )
+    train(config, device="cpu", progress=False, out_dir=folder)
+    model = folder / "model"
+    with processes() as procs:
+        # s<stage><copy>: fp32 frames (exact), and a bf16 and a dense set for the byte counts.
+        started = {
+            "s0a": serve(procs, folder, model, "s0a", 0, "--format", "fp32"),
+            "s1a": serve(procs, folder, model, "s1a", 1, "--format", "fp32"),
+            "s1b": serve(procs, folder, model, "s1b", 1, "--format", "fp32"),
+            "s2a": serve(procs, folder, model, "s2a", 2, "--format", "fp32"),
+            "s0c": serve(procs, folder, model, "s0c", 0, "--format", "bf16"),
+            "s1c": serve(procs, folder, model, "s1c", 1, "--format", "bf16"),
+            "s2c": serve(procs, folder, model, "s2c", 2, "--format", "bf16"),
+        }
+        addresses = {n: p.wait_for(r"serving stage \d .* on (\S+)", 120).group(1) for n, p in started.items()}
+        yield Servers(model_io.load(model), started, addresses)
+
+
+def test_greedy_generation_through_the_swarm_equals_local(servers):
+    local = generate_ids(servers.model.build(), PROMPT, GREEDY)
+    swarm = SwarmGenerator(servers.of("s0a", "s1a", "s2a"), 3)
+    try:
+        remote = sample(PROMPT, GREEDY, servers.model.config.model.max_seq_len, swarm.logits_after)
+    finally:
+        swarm.close()
+    assert remote == local
+    assert swarm.stats.decode_steps == GREEDY.max_new_tokens - 1 and not swarm.stats.failovers
+
+
+def test_frame_bytes_per_token_match_the_codec_accounting(servers):
+    """One token's k=16 bf16 coordinates (32 B) and its id cross each boundary, plus protobuf framing."""
+    swarm = SwarmGenerator(servers.of("s0c", "s1c", "s2c"), 3)
+    try:
+        sample(PROMPT, GREEDY, servers.model.config.model.max_seq_len, swarm.logits_after)
+    finally:
+        swarm.close()
+    stage = InferenceStage(servers.model, 0, "subspace", "bf16")
+    frame = stage.run(KVCache(), 0, [65], None)
+    accounted = stage.frame_accounting(frame)
+    k = servers.model.config.model.subspace_rank
+    assert len(frame.payload.data) == 2 * k
+    for per_token in swarm.stats.bytes_per_token:
+        assert accounted <= per_token <= accounted + 24, (per_token, accounted)
+    dense = InferenceStage(servers.model, 0, "dense", "bf16").run(KVCache(), 0, [65], None)
+    assert len(dense.payload.data) == 2 * servers.model.config.model.d_model  # what subspace saves
+
+
+def test_a_killed_stage_server_is_replaced_by_replaying_the_session(servers):
+    local = generate_ids(servers.model.build(), PROMPT, GREEDY)
+    swarm = SwarmGenerator(servers.of("s0a", "s1a", "s1b", "s2a"), 3)
+    victim = servers.procs["s1a"].p
+    calls = 0
+
+    def logits_after(new_ids: list[int]):
+        nonlocal calls
+        calls += 1
+        if calls == 10:
+            os.kill(victim.pid, signal.SIGKILL)
+            victim.wait(10)
+        return swarm.logits_after(new_ids)
+
+    try:
+        remote = sample(PROMPT, GREEDY, servers.model.config.model.max_seq_len, logits_after)
+    finally:
+        swarm.close()
+    assert remote == local
+    assert swarm.stats.failovers == [f"stage 1: {servers.addresses['s1a']} -> {servers.addresses['s1b']}"]
+    assert swarm.stats.replayed == 9  # the prompt and the 8 tokens before the kill
