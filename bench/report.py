@@ -110,6 +110,7 @@ def markdown(r: dict) -> str:
         *_peer_section(r),
         *_churn_section(r),
         *_multihost_section(r),
+        *_generation_section(r),
         f"Section times (s): {', '.join(f'{k} {v:.0f}' for k, v in r['seconds'].items())}.",
     ]
     return "\n".join(out) + "\n"
@@ -204,6 +205,37 @@ def _multihost_section(r: dict) -> list[str]:
                 ("compression vs dense bf16", "compression_ratio", ".1f"),
                 ("nodes on the DHT", "dht_joined", ""),
                 ("DHT fallbacks", "dht_fallback", ""),
+            ],
+        ),
+        "",
+    ]
+
+
+def _generation_section(r: dict) -> list[str]:
+    if "generation" not in r:
+        return []
+    title = "## Generation through a swarm: subspace coordinates against dense activations"
+    if isinstance(r["generation"], dict):
+        return [title, f"Skipped: {r['generation']['skipped']}.", ""]
+    plan = r["plan"]["generation"]
+    return [
+        title,
+        f"{plan['n_stages']} stage servers (`swarm-node serve`, bf16 frames), one per emulated host behind a "
+        "tbf access link; the client on an unshaped host routes every token through them (two hops per "
+        f"boundary). Greedy, {plan['prompt_tokens']}-token prompt, {plan['new_tokens']} new tokens; dense "
+        "and subspace servers run side by side and the client alternates "
+        f"({plan['repeats']} runs each, median).",
+        "",
+        _table(
+            r["generation"],
+            [
+                ("link Mbit/s", "link_mbps", ".0f"),
+                ("boundary", "boundary", ""),
+                ("tokens/s", "tokens_per_s", ".1f"),
+                ("speed-up", "speedup_vs_dense", ".2f"),
+                ("prompt s", "prefill_s", ".3f"),
+                ("B/token/boundary", "bytes_per_token", ".0f"),
+                ("prompt B/token/boundary", "prefill_bytes_per_token", ".0f"),
             ],
         ),
         "",

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from bench import churn, convergence, multihost, overhead, peer, report, throughput, wire
+from bench import churn, convergence, generation, multihost, overhead, peer, report, throughput, wire
 from bench.codecs import CodecCase, codec_cases
 from bench.netns import available as netns_available
 from bench.throughput import Link
@@ -45,6 +45,7 @@ class BenchPlan:
     churn: churn.ChurnPlan | None = None
     multihost: multihost.MultiHostPlan | None = None
     multihost_codecs: list[str] = field(default_factory=lambda: ["dense bf16", "subspace bf16"])
+    generation: generation.GenerationPlan | None = None
 
 
 def plan(quick: bool) -> BenchPlan:
@@ -74,6 +75,7 @@ def plan(quick: bool) -> BenchPlan:
             multihost=multihost.MultiHostPlan(
                 tiny, TrainConfig(steps=8, batch_size=4, seq_len=32, microbatches=2), mbps=100
             ),
+            generation=generation.GenerationPlan(tiny, (10.0,), prompt_tokens=16, new_tokens=16, repeats=1),
         )
     small = MODEL_PRESETS["small"]
     return BenchPlan(
@@ -107,6 +109,7 @@ def plan(quick: bool) -> BenchPlan:
         multihost=multihost.MultiHostPlan(
             small, TrainConfig(steps=20, batch_size=8, seq_len=128, microbatches=2), mbps=100
         ),
+        generation=generation.GenerationPlan(small, (2.0, 10.0, 80.0), prompt_tokens=64, new_tokens=32),
     )
 
 
@@ -169,16 +172,20 @@ def sections(p: BenchPlan, quick: bool) -> dict[str, Callable[[], object]]:
         out["churn"] = lambda: churn.run(p.churn)
     if p.multihost is not None:
         out["multihost"] = lambda: _multihost(p)
+    if p.generation is not None:
+        out["generation"] = lambda: _needs_netns(lambda: generation.run(p.generation))
     return out
+
+
+def _needs_netns(section: Callable[[], object]) -> object:
+    ok, reason = netns_available()
+    return section() if ok else {"skipped": reason}
 
 
 def _multihost(p: BenchPlan) -> list[dict] | dict:
     """The README's multi-host recipe on emulated hosts (needs network namespaces: root + iproute2)."""
-    ok, reason = netns_available()
-    if not ok:
-        return {"skipped": reason}
     codecs = {c.name: c.codec for c in _pick(_cases(p.multihost.model), p.multihost_codecs)}
-    return multihost.run(p.multihost, codecs)
+    return _needs_netns(lambda: multihost.run(p.multihost, codecs))
 
 
 def main(quick: bool, out: str | Path, resume: bool = False) -> dict:

@@ -33,11 +33,16 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     assert 0 < churned["retained"] < 1.5
     report = (tmp_path / "results.md").read_text()
     assert "## Churn" in report and "## The README's multi-host recipe" in report
+    assert "## Generation through a swarm" in report
     if available()[0]:  # the recipe on emulated hosts, subspace next to dense
         dense, subspace = results["multihost"]
         assert dense["steps"] == subspace["steps"] == 8
         assert subspace["compression_ratio"] > 3 * dense["compression_ratio"]
         assert dense["dht_joined"] == subspace["dht_joined"] == 3  # the fourth host cannot reach it
+        dense, subspace = results["generation"]
+        assert (dense["boundary"], subspace["boundary"]) == ("dense", "subspace")
+        assert dense["tokens"] == subspace["tokens"] == 16 and subspace["tokens_per_s"] > 0
+        assert subspace["bytes_per_token"] < dense["bytes_per_token"] / 2
     else:
-        assert "skipped" in results["multihost"]
+        assert "skipped" in results["multihost"] and "skipped" in results["generation"]
     assert "benchmarks done" in capsys.readouterr().out
