@@ -26,6 +26,7 @@ from bench.netns import EmulatedNetwork
 from swarm import model_io
 from swarm.config import DataConfig, ModelConfig, RunConfig
 from swarm.generate import Sampling, sample
+from swarm.inference import ClientHead
 from swarm.local_swarm import ProcessGroup, tee, wait_for_line
 from swarm.pipeline import LocalPipeline
 from swarm.remote_generate import SwarmGenerator, parse_servers
@@ -114,18 +115,18 @@ def _serve(
     return wait_for_line(lines, SERVING, proc, 120).group(1)
 
 
-def client(model: str, prompt_tokens: int, new_tokens: int, servers: list[str]) -> dict:
+def client(model: str, boundary: str, prompt_tokens: int, new_tokens: int, servers: list[str]) -> dict:
     """Run on the control host: one generation through ``servers``; its measurements as JSON."""
     trained = model_io.load(model)
-    by_stage, n_stages = parse_servers(servers), trained.config.n_stages
+    by_stage, head = parse_servers(servers), ClientHead(trained, boundary, "bf16")
     context = trained.config.model.max_seq_len
     prompt = (list(b"To be, or not to be, that is the question: ") * 8)[:prompt_tokens]
-    warm = SwarmGenerator(by_stage, n_stages)  # first-call costs on every server, not measured
+    warm = SwarmGenerator(by_stage, head)  # first-call costs on every server, not measured
     try:
         sample(prompt[:4], Sampling(max_new_tokens=2, temperature=0), context, warm.logits_after)
     finally:
         warm.close()
-    swarm, prefill = SwarmGenerator(by_stage, n_stages), []
+    swarm, prefill = SwarmGenerator(by_stage, head), []
 
     def logits_after(new_ids: list[int]):
         start = time.perf_counter()
@@ -154,8 +155,9 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     parser.add_argument("role", choices=["client"])
     parser.add_argument("model")
+    parser.add_argument("boundary")
     parser.add_argument("prompt_tokens", type=int)
     parser.add_argument("new_tokens", type=int)
     parser.add_argument("servers", nargs="+")
     a = parser.parse_args()
-    print(json.dumps(client(a.model, a.prompt_tokens, a.new_tokens, a.servers)))
+    print(json.dumps(client(a.model, a.boundary, a.prompt_tokens, a.new_tokens, a.servers)))

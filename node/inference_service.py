@@ -62,12 +62,9 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
                     )
                 except PayloadError as e:
                     await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_payload", str(e))
-                reply = inference_pb2.InferenceReply(cached=cache.length)
-                if isinstance(out, bytes):
-                    reply.logits = out
-                else:
-                    reply.frame.CopyFrom(activation_to_proto(out))
-                await context.write(reply)
+                await context.write(
+                    inference_pb2.InferenceReply(frame=activation_to_proto(out), cached=cache.length)
+                )
         finally:
             self.sessions -= 1
 

@@ -183,7 +183,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     from swarm.remote_generate import generate_remote, parse_servers
 
-    text, stats = generate_remote(trained, args.prompt, sampling, parse_servers(args.servers))
+    text, stats = generate_remote(
+        trained, args.prompt, sampling, parse_servers(args.servers), args.boundary, args.format
+    )
     print(text)
     per_boundary = ", ".join(f"{b:.1f}" for b in stats.bytes_per_token)
     print(
@@ -275,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
         metavar="STAGE=HOST:PORT[,HOST:PORT]",
         help="generate through these swarm-node serve processes (spares after the first: failover)",
     )
+    p.add_argument("--boundary", default="subspace", help="the servers' --boundary (subspace or dense)")
+    p.add_argument("--format", default="bf16", help="the servers' --format (fp32, bf16, int8_row)")
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("export", help="export a trained model folder to Hugging Face transformers (LLaMA)")
     p.add_argument("--model", required=True, help="model folder")

@@ -3,9 +3,12 @@
 :class:`InferenceStage` runs the stage's layers on the new positions of a session with
 its :class:`~swarm.model.KVCache`: token ids in on the first stage, a boundary frame in
 on the others; a boundary frame out (the same codecs as training: ``subspace`` sends k
-coordinates per token, ``dense`` the full residual stream), or the last position's
-logits on the last stage. Frames carry the new positions' token ids (plus one padding
-id where training frames carry the next target), so the receiver can lift coordinates.
+coordinates per token, ``dense`` the full residual stream). The last stage sends its
+output frame too: the client applies the final norm and LM head itself
+(:class:`ClientHead`), as Petals clients do, so the last hop carries k coordinates per
+token rather than a vocabulary's worth of logits. Frames carry the new positions' token
+ids (plus one padding id where training frames carry the next target), so the receiver
+can lift coordinates.
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ from __future__ import annotations
 import dataclasses
 
 import torch
+import torch.nn.functional as F
 
 from swarm.codecs import make_format
 from swarm.codecs.base import PayloadError
 from swarm.codecs.boundary import BoundaryCodec, IdentityMap, SubspaceMap
 from swarm.config import stage_layer_ranges
 from swarm.generate import refuse_mapl
-from swarm.model import KVCache
+from swarm.model import KVCache, RMSNorm
 from swarm.model_io import TrainedModel
 from swarm.wire import ActivationFrame
 
@@ -52,25 +56,18 @@ class InferenceStage:
         self.stage = trained.build(self.device, start, end)
         self.is_first, self.is_last = self.stage.is_first, self.stage.is_last
         self.boundary, self.tensor_format = boundary, tensor_format
-        self.inbound = self._codec() if not self.is_first else None
-        self.outbound = self._codec() if not self.is_last else None
-
-    def _codec(self) -> BoundaryCodec:
-        m, stage = self.config.model, self.stage
-        bmap = (
-            SubspaceMap(stage.fixed_embedding, stage.basis)
-            if self.boundary == "subspace"
-            else IdentityMap(m.d_model)
+        # The stage's own embedding and basis: on its device.
+        tensors = {"fixed_embedding": self.stage.fixed_embedding, "basis": self.stage.basis}
+        self.inbound = (
+            inference_codec(trained, boundary, tensor_format, tensors) if not self.is_first else None
         )
-        codec_config = dataclasses.replace(self.config.codec, forward_format=self.tensor_format, zstd_level=0)
-        fmt = make_format(self.tensor_format, bmap.width, codec_config)
-        return BoundaryCodec(bmap, fmt, fmt, m.vocab_size, m.max_seq_len)
+        self.outbound = inference_codec(trained, boundary, tensor_format, tensors)
 
     @torch.no_grad()
     def run(
         self, cache: KVCache, position: int, token_ids: list[int] | None, frame: ActivationFrame | None
-    ) -> ActivationFrame | bytes:
-        """The new positions through this stage: the output frame, or the last stage's logits (float32)."""
+    ) -> ActivationFrame:
+        """The new positions through this stage: its output frame."""
         if position != cache.length:
             raise PayloadError(
                 f"request starts at position {position}, the session has cached {cache.length}"
@@ -89,9 +86,7 @@ class InferenceStage:
             x = self.inbound.map.lift(z, tokens)
         if cache.length + tokens.shape[1] > self.config.model.max_seq_len:
             raise PayloadError(f"the session would exceed the context of {self.config.model.max_seq_len}")
-        out = self.stage(tokens, x, cache)
-        if self.is_last:
-            return out[0, -1].float().cpu().numpy().tobytes()
+        out = self.stage(tokens, x, cache, head=False)
         z = self.outbound.map.project(out, tokens)
         padded = torch.cat([tokens, torch.zeros_like(tokens[:, :1])], dim=1)
         return self.outbound.encode_activation(z, padded, 0, 0, self.version)
@@ -99,3 +94,37 @@ class InferenceStage:
     def frame_accounting(self, frame: ActivationFrame) -> int:
         """What the codec says a frame holds: payload plus packed token id bytes."""
         return len(frame.payload.data) + len(frame.token_ids)
+
+
+def inference_codec(
+    trained: TrainedModel, boundary: str, tensor_format: str, tensors: dict[str, torch.Tensor] | None = None
+) -> BoundaryCodec:
+    """The codec of every boundary of a served model (both sides build the same one); ``tensors``:
+    the embedding and basis to use (default: the model's, on the CPU)."""
+    m, t = trained.config.model, tensors or trained.tensors
+    if boundary == "subspace":
+        bmap = SubspaceMap(t["fixed_embedding"], t["basis"])
+    else:
+        bmap = IdentityMap(m.d_model)
+    codec_config = dataclasses.replace(trained.config.codec, forward_format=tensor_format, zstd_level=0)
+    fmt = make_format(tensor_format, bmap.width, codec_config)
+    return BoundaryCodec(bmap, fmt, fmt, m.vocab_size, m.max_seq_len)
+
+
+class ClientHead:
+    """The client's end of the last stage: lift its frame, then the final RMSNorm and the LM head."""
+
+    def __init__(self, trained: TrainedModel, boundary: str = "subspace", tensor_format: str = "bf16"):
+        m = trained.config.model
+        self.codec = inference_codec(trained, boundary, tensor_format)
+        self.version = trained.subspace_version
+        self.norm = RMSNorm(m.d_model, m.norm_eps)
+        self.norm.load_state_dict({"weight": trained.tensors["norm.weight"]})
+        self.head = trained.tensors["head.weight"]
+
+    @torch.no_grad()
+    def logits(self, frame: ActivationFrame) -> torch.Tensor:
+        """The last position's logits (V,) from the last stage's output frame."""
+        z, ids = self.codec.decode_activation(frame, self.version, torch.device("cpu"), torch.float32)
+        x = self.codec.map.lift(z[:, -1:], ids[:, -2:-1])[0, 0]
+        return F.linear(self.norm(x), self.head)

@@ -189,6 +189,8 @@ class Stage(nn.Module):
     the residual stream entering the stage (B x T x d); it returns the residual stream
     leaving it, or the logits on the last stage. With a :class:`KVCache` the tokens are the
     positions after those already cached (incremental decoding), and are cached in turn.
+    ``head=False`` returns the residual stream on the last stage too (its norm and LM head
+    then run elsewhere, e.g. on a generation client).
     """
 
     def __init__(
@@ -219,7 +221,11 @@ class Stage(nn.Module):
         init_parameters(self, seed)
 
     def forward(
-        self, tokens: torch.Tensor, x: torch.Tensor | None = None, cache: KVCache | None = None
+        self,
+        tokens: torch.Tensor,
+        x: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        head: bool = True,
     ) -> torch.Tensor:
         past = cache.length if cache is not None else 0
         T = tokens.shape[1]
@@ -234,7 +240,7 @@ class Stage(nn.Module):
             x = block(x, cos, sin, self.basis, cache.layer(int(i)) if cache is not None else None)
         if cache is not None:
             cache.length += T
-        if self.head is not None:
+        if self.head is not None and head:
             x = self.head(self.norm(x))
         return x
 

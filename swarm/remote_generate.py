@@ -2,7 +2,8 @@
 
 The client keeps one session per stage (a gRPC stream to one server of that stage),
 sends each step's new tokens to stage 0 and relays every stage's output frame, unchanged,
-to the next stage; the last stage answers with logits, and sampling happens here
+to the next stage; the last stage's frame goes through the client's own final norm and
+LM head (:class:`~swarm.inference.ClientHead`), and sampling happens here
 (:func:`swarm.generate.sample`, so local and swarm generation pick tokens identically).
 Each stage's inputs are kept: when a server fails (a dead process, a broken stream), the
 client opens a session on the next server of that stage, replays the inputs so its KV
@@ -17,13 +18,14 @@ import uuid
 from dataclasses import dataclass, field
 
 import grpc
-import numpy as np
 import torch
 
 from swarm._proto.swarm.v1 import inference_pb2, inference_pb2_grpc
 from swarm.generate import Sampling, check_prompt, sample
+from swarm.inference import ClientHead
 from swarm.model_io import TrainedModel
 from swarm.transport.channel import channel_options
+from swarm.transport.frames import activation_from_proto
 
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)  # our request is wrong
 
@@ -60,8 +62,10 @@ class StageSession:
 
 @dataclass
 class GenerationStats:
-    boundary_bytes: list[int]  # serialized frames crossing each boundary on the decode steps
-    prefill_boundary_bytes: list[int]  # the same for the prompt
+    # Serialized frames each stage sent on the decode steps (stage b's go to stage b+1, the last
+    # stage's to the client), and the same for the prompt.
+    boundary_bytes: list[int]
+    prefill_boundary_bytes: list[int]
     decode_steps: int = 0
     failovers: list[str] = field(default_factory=list)  # "stage S: ADDRESS -> ADDRESS"
     replayed: int = 0  # requests replayed to replacement servers
@@ -78,19 +82,21 @@ class GenerationStats:
 
 
 class SwarmGenerator:
-    """Sessions on one server per stage of an ``n_stages`` pipeline, failing over to the next listed."""
+    """Sessions on one server per stage, failing over to the next listed; ``head`` turns the last
+    stage's frame into logits (it must match the servers' ``--boundary`` and ``--format``)."""
 
-    def __init__(self, servers: dict[int, list[str]], n_stages: int, timeout_s: float = 600.0):
+    def __init__(self, servers: dict[int, list[str]], head: ClientHead, timeout_s: float = 600.0):
+        n_stages = max(servers, default=-1) + 1
         missing = [s for s in range(n_stages) if not servers.get(s)]
         if missing:
             raise ValueError(f"no server given for stages {missing}")
-        self.servers, self.n_stages, self.timeout_s = servers, n_stages, timeout_s
+        self.servers, self.n_stages, self.head, self.timeout_s = servers, n_stages, head, timeout_s
         self.session_id = uuid.uuid4().hex
         self.dead: set[str] = set()
         self.sessions: dict[int, StageSession] = {}
         self.history: dict[int, list[inference_pb2.InferenceRequest]] = {s: [] for s in range(n_stages)}
         self.position = 0
-        self.stats = GenerationStats([0] * (n_stages - 1), [0] * (n_stages - 1))
+        self.stats = GenerationStats([0] * n_stages, [0] * n_stages)
 
     def _session(self, stage: int) -> StageSession:
         if stage not in self.sessions:
@@ -135,19 +141,18 @@ class SwarmGenerator:
         request = inference_pb2.InferenceRequest(
             session_id=self.session_id, stage=0, position=self.position, token_ids=new_ids
         )
-        reply = self._call(0, request)
-        for stage in range(1, self.n_stages):
-            counts = self.stats.prefill_boundary_bytes if prefill else self.stats.boundary_bytes
-            counts[stage - 1] += reply.frame.ByteSize()
-            request = inference_pb2.InferenceRequest(
-                session_id=self.session_id, stage=stage, position=self.position, frame=reply.frame
-            )
+        counts = self.stats.prefill_boundary_bytes if prefill else self.stats.boundary_bytes
+        for stage in range(self.n_stages):
             reply = self._call(stage, request)
+            counts[stage] += reply.frame.ByteSize()
+            request = inference_pb2.InferenceRequest(
+                session_id=self.session_id, stage=stage + 1, position=self.position, frame=reply.frame
+            )
         self.position += len(new_ids)
         if not prefill:
             self.stats.decode_steps += 1
             self.stats.decode_seconds += time.perf_counter() - start
-        return torch.from_numpy(np.frombuffer(reply.logits, dtype=np.float32).copy())
+        return self.head.logits(activation_from_proto(reply.frame))
 
     def close(self) -> None:
         for session in self.sessions.values():
@@ -156,13 +161,20 @@ class SwarmGenerator:
 
 
 def generate_remote(
-    trained: TrainedModel, prompt: str, sampling: Sampling, servers: dict[int, list[str]]
+    trained: TrainedModel,
+    prompt: str,
+    sampling: Sampling,
+    servers: dict[int, list[str]],
+    boundary: str = "subspace",
+    tensor_format: str = "bf16",
 ) -> tuple[str, GenerationStats]:
     """``prompt`` and its continuation generated through ``servers``, and what it cost."""
     m, tokenizer = trained.config.model, trained.tokenizer()
     prompt_ids = tokenizer.encode(prompt)
     check_prompt(prompt_ids, m.vocab_size, m.max_seq_len)
-    swarm = SwarmGenerator(servers, trained.config.n_stages)
+    if sorted(servers) != list(range(trained.config.n_stages)):
+        raise ValueError(f"give servers for each of the model's {trained.config.n_stages} stages")
+    swarm = SwarmGenerator(servers, ClientHead(trained, boundary, tensor_format))
     try:
         ids = sample(prompt_ids, sampling, m.max_seq_len, swarm.logits_after)
     finally:

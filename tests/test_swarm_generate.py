@@ -15,7 +15,7 @@ import pytest
 from swarm import model_io
 from swarm.config import MODEL_PRESETS, CodecConfig, DataConfig, RunConfig, TrainConfig
 from swarm.generate import Sampling, generate_ids, sample
-from swarm.inference import InferenceStage
+from swarm.inference import ClientHead, InferenceStage
 from swarm.model import KVCache
 from swarm.remote_generate import SwarmGenerator
 from swarm.train import train
@@ -75,7 +75,7 @@ def servers(tmp_path_factory) -> Iterator[Servers]:
 
 def test_greedy_generation_through_the_swarm_equals_local(servers):
     local = generate_ids(servers.model.build(), PROMPT, GREEDY)
-    swarm = SwarmGenerator(servers.of("s0a", "s1a", "s2a"), 3)
+    swarm = SwarmGenerator(servers.of("s0a", "s1a", "s2a"), ClientHead(servers.model, "subspace", "fp32"))
     try:
         remote = sample(PROMPT, GREEDY, servers.model.config.model.max_seq_len, swarm.logits_after)
     finally:
@@ -85,8 +85,8 @@ def test_greedy_generation_through_the_swarm_equals_local(servers):
 
 
 def test_frame_bytes_per_token_match_the_codec_accounting(servers):
-    """One token's k=16 bf16 coordinates (32 B) and its id cross each boundary, plus protobuf framing."""
-    swarm = SwarmGenerator(servers.of("s0c", "s1c", "s2c"), 3)
+    """One token's k=16 bf16 coordinates (32 B) and its id leave each stage, plus protobuf framing."""
+    swarm = SwarmGenerator(servers.of("s0c", "s1c", "s2c"), ClientHead(servers.model, "subspace", "bf16"))
     try:
         sample(PROMPT, GREEDY, servers.model.config.model.max_seq_len, swarm.logits_after)
     finally:
@@ -96,6 +96,7 @@ def test_frame_bytes_per_token_match_the_codec_accounting(servers):
     accounted = stage.frame_accounting(frame)
     k = servers.model.config.model.subspace_rank
     assert len(frame.payload.data) == 2 * k
+    assert len(swarm.stats.bytes_per_token) == 3  # two boundaries and the last stage's frame to the client
     for per_token in swarm.stats.bytes_per_token:
         assert accounted <= per_token <= accounted + 24, (per_token, accounted)
     dense = InferenceStage(servers.model, 0, "dense", "bf16").run(KVCache(), 0, [65], None)
@@ -104,7 +105,9 @@ def test_frame_bytes_per_token_match_the_codec_accounting(servers):
 
 def test_a_killed_stage_server_is_replaced_by_replaying_the_session(servers):
     local = generate_ids(servers.model.build(), PROMPT, GREEDY)
-    swarm = SwarmGenerator(servers.of("s0a", "s1a", "s1b", "s2a"), 3)
+    swarm = SwarmGenerator(
+        servers.of("s0a", "s1a", "s1b", "s2a"), ClientHead(servers.model, "subspace", "fp32")
+    )
     victim = servers.procs["s1a"].p
     calls = 0
 

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from swarm._proto.swarm.v1 import common_pb2 as swarm_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarm/v1/inference.proto\x12\x08swarm.v1\x1a\x15swarm/v1/common.proto\"\x84\x01\n\x10InferenceRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x10\n\x08position\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12(\n\x05\x66rame\x18\x05 \x01(\x0b\x32\x19.swarm.v1.ActivationFrame\"Z\n\x0eInferenceReply\x12(\n\x05\x66rame\x18\x01 \x01(\x0b\x32\x19.swarm.v1.ActivationFrame\x12\x0e\n\x06logits\x18\x02 \x01(\x0c\x12\x0e\n\x06\x63\x61\x63hed\x18\x03 \x01(\r2P\n\tInference\x12\x43\n\x07Session\x12\x1a.swarm.v1.InferenceRequest\x1a\x18.swarm.v1.InferenceReply(\x01\x30\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18swarm/v1/inference.proto\x12\x08swarm.v1\x1a\x15swarm/v1/common.proto\"\x84\x01\n\x10InferenceRequest\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05stage\x18\x02 \x01(\r\x12\x10\n\x08position\x18\x03 \x01(\x04\x12\x11\n\ttoken_ids\x18\x04 \x03(\r\x12(\n\x05\x66rame\x18\x05 \x01(\x0b\x32\x19.swarm.v1.ActivationFrame\"J\n\x0eInferenceReply\x12(\n\x05\x66rame\x18\x01 \x01(\x0b\x32\x19.swarm.v1.ActivationFrame\x12\x0e\n\x06\x63\x61\x63hed\x18\x02 \x01(\r2P\n\tInference\x12\x43\n\x07Session\x12\x1a.swarm.v1.InferenceRequest\x1a\x18.swarm.v1.InferenceReply(\x01\x30\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -35,7 +35,7 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_INFERENCEREQUEST']._serialized_start=62
   _globals['_INFERENCEREQUEST']._serialized_end=194
   _globals['_INFERENCEREPLY']._serialized_start=196
-  _globals['_INFERENCEREPLY']._serialized_end=286
-  _globals['_INFERENCE']._serialized_start=288
-  _globals['_INFERENCE']._serialized_end=368
+  _globals['_INFERENCEREPLY']._serialized_end=270
+  _globals['_INFERENCE']._serialized_start=272
+  _globals['_INFERENCE']._serialized_end=352
 # @@protoc_insertion_point(module_scope)

@@ -22,11 +22,9 @@ class InferenceRequest(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., stage: _Optional[int] = ..., position: _Optional[int] = ..., token_ids: _Optional[_Iterable[int]] = ..., frame: _Optional[_Union[_common_pb2.ActivationFrame, _Mapping]] = ...) -> None: ...
 
 class InferenceReply(_message.Message):
-    __slots__ = ("frame", "logits", "cached")
+    __slots__ = ("frame", "cached")
     FRAME_FIELD_NUMBER: _ClassVar[int]
-    LOGITS_FIELD_NUMBER: _ClassVar[int]
     CACHED_FIELD_NUMBER: _ClassVar[int]
     frame: _common_pb2.ActivationFrame
-    logits: bytes
     cached: int
-    def __init__(self, frame: _Optional[_Union[_common_pb2.ActivationFrame, _Mapping]] = ..., logits: _Optional[bytes] = ..., cached: _Optional[int] = ...) -> None: ...
+    def __init__(self, frame: _Optional[_Union[_common_pb2.ActivationFrame, _Mapping]] = ..., cached: _Optional[int] = ...) -> None: ...
