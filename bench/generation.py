@@ -86,6 +86,7 @@ def _measure_link(plan: GenerationPlan, model: Path, mbps: float, folder: Path) 
                         "bench.generation",
                         "client",
                         str(model),
+                        boundary,
                     ]
                     client += [str(plan.prompt_tokens), str(plan.new_tokens), *specs[boundary]]
                     done = subprocess.run(client, capture_output=True, text=True, timeout=600)
