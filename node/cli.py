@@ -105,6 +105,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     serve.add_argument("--format", choices=FORMATS, default="bf16", help="tensor format of boundary frames")
     serve.add_argument("--session-timeout", type=float, default=300.0, help="seconds a session may stay idle")
     serve.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda:0 ...")
+    serve.add_argument(
+        "--metrics-port", type=int, default=-1, help="HTTP /metrics, /healthz (0: free, -1: off)"
+    )
     serve.add_argument("--log-format", choices=logs.FORMATS, default="text", help="text lines or JSON lines")
     return parser.parse_args(argv)
 
@@ -128,8 +131,12 @@ def serve_stage(args: argparse.Namespace) -> int:
         task = asyncio.current_task()
         for sig in (signal.SIGINT, signal.SIGTERM):
             asyncio.get_running_loop().add_signal_handler(sig, task.cancel)
+        metrics = Metrics("node")
+        if args.metrics_port >= 0:
+            http = metrics.serve(args.metrics_port, args.listen.rpartition(":")[0] or "127.0.0.1")
+            say(f"node metrics on {http.host}:{http.port} (/metrics, /healthz)")
         with contextlib.suppress(asyncio.CancelledError):
-            await serve(stage, args.listen, args.session_timeout, Metrics("node"))
+            await serve(stage, args.listen, args.session_timeout, metrics)
 
     try:
         uvloop.run(run())

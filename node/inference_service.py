@@ -9,7 +9,6 @@ FAILED_PRECONDITION and a counter, never a crash.
 from __future__ import annotations
 
 import asyncio
-import logging
 
 import grpc
 
@@ -22,51 +21,45 @@ from swarm.transport.channel import server_options
 from swarm.transport.frames import activation_from_proto, activation_to_proto
 from swarm.transport.health import Health
 
-log = logging.getLogger(__name__)
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
 
 class InferenceService(inference_pb2_grpc.InferenceServicer):
     def __init__(self, stage: InferenceStage, metrics: Metrics, session_timeout_s: float = 300.0):
         self.stage, self.metrics, self.session_timeout_s = stage, metrics, session_timeout_s
-        self.sessions = 0  # open now
 
     async def Session(self, request_iterator, context: grpc.aio.ServicerContext):
         cache, session_id = KVCache(), None
-        self.sessions += 1
-        try:
-            while True:
-                try:
-                    request = await asyncio.wait_for(context.read(), self.session_timeout_s)
-                except TimeoutError:
-                    await self._refuse(
-                        context,
-                        grpc.StatusCode.DEADLINE_EXCEEDED,
-                        "session_timeout",
-                        f"session idle for {self.session_timeout_s:.0f}s; its cache is dropped",
-                    )
-                if request is grpc.aio.EOF:
-                    return
-                session_id = session_id or request.session_id
-                if request.stage != self.stage.index or request.session_id != session_id:
-                    await self._refuse(
-                        context,
-                        grpc.StatusCode.FAILED_PRECONDITION,
-                        "wrong_stage",
-                        f"this server hosts stage {self.stage.index} (session {session_id})",
-                    )
-                try:
-                    frame = activation_from_proto(request.frame) if request.HasField("frame") else None
-                    out = await asyncio.to_thread(
-                        self.stage.run, cache, request.position, list(request.token_ids) or None, frame
-                    )
-                except PayloadError as e:
-                    await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_payload", str(e))
-                await context.write(
-                    inference_pb2.InferenceReply(frame=activation_to_proto(out), cached=cache.length)
+        while True:
+            try:
+                request = await asyncio.wait_for(context.read(), self.session_timeout_s)
+            except TimeoutError:
+                await self._refuse(
+                    context,
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    "session_timeout",
+                    f"session idle for {self.session_timeout_s:.0f}s; its cache is dropped",
                 )
-        finally:
-            self.sessions -= 1
+            if request is grpc.aio.EOF:
+                return
+            session_id = session_id or request.session_id
+            if request.stage != self.stage.index or request.session_id != session_id:
+                await self._refuse(
+                    context,
+                    grpc.StatusCode.FAILED_PRECONDITION,
+                    "wrong_stage",
+                    f"this server hosts stage {self.stage.index} (session {session_id})",
+                )
+            try:
+                frame = activation_from_proto(request.frame) if request.HasField("frame") else None
+                out = await asyncio.to_thread(
+                    self.stage.run, cache, request.position, list(request.token_ids) or None, frame
+                )
+            except PayloadError as e:
+                await self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "bad_payload", str(e))
+            await context.write(
+                inference_pb2.InferenceReply(frame=activation_to_proto(out), cached=cache.length)
+            )
 
     async def _refuse(self, context: grpc.aio.ServicerContext, code: grpc.StatusCode, label: str, why: str):
         self.metrics.rejected.labels(label).inc()

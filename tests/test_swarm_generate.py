@@ -5,14 +5,19 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import queue
 import signal
 import sys
+import time
+import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
 from swarm import model_io
+from swarm._proto.swarm.v1 import inference_pb2, inference_pb2_grpc
 from swarm.config import MODEL_PRESETS, CodecConfig, DataConfig, RunConfig, TrainConfig
 from swarm.generate import Sampling, generate_ids, sample
 from swarm.inference import ClientHead, InferenceStage
@@ -68,6 +73,7 @@ def servers(tmp_path_factory) -> Iterator[Servers]:
             "s0c": serve(procs, folder, model, "s0c", 0, "--format", "bf16"),
             "s1c": serve(procs, folder, model, "s1c", 1, "--format", "bf16"),
             "s2c": serve(procs, folder, model, "s2c", 2, "--format", "bf16"),
+            "s0t": serve(procs, folder, model, "s0t", 0, "--session-timeout", "1", "--metrics-port", "0"),
         }
         addresses = {n: p.wait_for(r"serving stage \d .* on (\S+)", 120).group(1) for n, p in started.items()}
         yield Servers(model_io.load(model), started, addresses)
@@ -126,3 +132,53 @@ def test_a_killed_stage_server_is_replaced_by_replaying_the_session(servers):
     assert remote == local
     assert swarm.stats.failovers == [f"stage 1: {servers.addresses['s1a']} -> {servers.addresses['s1b']}"]
     assert swarm.stats.replayed == 9  # the prompt and the 8 tokens before the kill
+
+
+def session(address: str) -> tuple[queue.Queue, Iterator[inference_pb2.InferenceReply], grpc.Channel]:
+    channel = grpc.insecure_channel(address)
+    requests: queue.Queue = queue.Queue()
+    replies = inference_pb2_grpc.InferenceStub(channel).Session(iter(requests.get, None), timeout=30)
+    return requests, replies, channel
+
+
+def request(stage: int, position: int, tokens: list[int]) -> inference_pb2.InferenceRequest:
+    return inference_pb2.InferenceRequest(session_id="s", stage=stage, position=position, token_ids=tokens)
+
+
+@pytest.mark.parametrize(
+    ("bad", "code", "says"),
+    [
+        (request(1, 0, [65]), grpc.StatusCode.FAILED_PRECONDITION, "hosts stage 0"),
+        (request(0, 5, [65]), grpc.StatusCode.INVALID_ARGUMENT, "position 5"),
+        (request(0, 0, [1 << 20]), grpc.StatusCode.INVALID_ARGUMENT, "vocabulary"),
+        (request(0, 0, [65] * 100), grpc.StatusCode.INVALID_ARGUMENT, "context"),
+    ],
+)
+def test_bad_requests_end_the_session_with_a_clear_error(servers, bad, code, says):
+    requests, replies, channel = session(servers.addresses["s0a"])
+    with channel:
+        requests.put(bad)
+        with pytest.raises(grpc.RpcError) as e:
+            next(replies)
+        assert e.value.code() == code and says in e.value.details()
+    # The server lives on: a good session still works.
+    requests, replies, channel = session(servers.addresses["s0a"])
+    with channel:
+        requests.put(request(0, 0, [65, 66]))
+        assert next(replies).cached == 2
+        requests.put(None)
+
+
+def test_an_idle_session_times_out_and_is_counted(servers):
+    requests, replies, channel = session(servers.addresses["s0t"])
+    with channel:
+        requests.put(request(0, 0, [65]))
+        assert next(replies).cached == 1
+        time.sleep(1.5)  # past --session-timeout 1
+        requests.put(request(0, 1, [66]))
+        with pytest.raises(grpc.RpcError) as e:
+            next(replies)
+        assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED and "idle" in e.value.details()
+    port = int(servers.procs["s0t"].wait_for(r"node metrics on [\d.]+:(\d+)", 5).group(1))
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+        assert 'swarm_rejected_messages_total{reason="session_timeout"} 1.0' in r.read().decode()
