@@ -18,7 +18,7 @@ from dataclasses import replace
 
 import grpc
 
-from node.links import LinkError, PlannedPeer, RunIdentity, StageLink, dial, rejection_reason
+from node.links import CLOSE_FLUSH_S, LinkError, PlannedPeer, RunIdentity, StageLink, dial, rejection_reason
 from node.schedule import StageRunner
 from node.settings import NodeSettings
 from node.stage_service import StageService
@@ -161,7 +161,7 @@ class LinkManager:
             self.service.acceptor = None
         for link in self._links:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(link.close(), timeout=5)
+                await asyncio.wait_for(link.close(), timeout=CLOSE_FLUSH_S + 5)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -8,8 +8,10 @@ a replaced node cannot feed frames into the run. After that the stream is symmet
 upstream side sends activation frames and MAPL/RVQ syncs, the downstream side
 gradient frames and syncs. :class:`StageLink` wraps either end (the client call or the
 server context) behind one ``send`` and a reader that hands every message, already
-validated and converted, to a ``deliver`` callback. :class:`LocalLink` connects two
-stages hosted by the same node without a socket.
+validated and converted, to a ``deliver`` callback. Sends go through a bounded queue
+drained by the link's own task, so a stage computes its next microbatch while the last
+one is on the wire; a full queue makes ``send`` wait (backpressure, bounded memory).
+:class:`LocalLink` connects two stages hosted by the same node without a socket.
 """
 
 from __future__ import annotations
@@ -31,6 +33,9 @@ from swarm.transport.shaper import UNSHAPED, LinkProfile, ShapedSender
 from swarm.wire import ActivationFrame, BoundarySync, GradientFrame
 
 log = logging.getLogger(__name__)
+SEND_QUEUE_MESSAGES = 4  # messages a boundary holds queued for sending before send() waits
+ERROR_SEND_S = 5.0  # an Error for the peer waits at most this long for room in the send queue
+CLOSE_FLUSH_S = 10.0  # closing a link waits at most this long for its queued messages to go out
 
 Item = ActivationFrame | GradientFrame | BoundarySync
 Deliver = Callable[[Item], None]
@@ -182,10 +187,43 @@ class StageLink:
         metrics: Metrics,
         profile: LinkProfile = UNSHAPED,
         finish: Callable[[], Awaitable[None]] | None = None,
+        queue_messages: int = SEND_QUEUE_MESSAGES,
     ):
         self.boundary, self._read, self.metrics, self._finish = boundary, read, metrics, finish
         self._raw_write = write
         self._sender = ShapedSender(self._write, profile) if profile.shaped else None
+        self._outbox: asyncio.Queue[stage_pb2.StageMessage | None] = asyncio.Queue(maxsize=queue_messages)
+        self._send_failure: LinkError | None = None
+        self._closed = False
+        self._drainer = asyncio.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        """Write queued messages in order; after a failure, discard the rest (no sender stays blocked)."""
+        while True:
+            msg = await self._outbox.get()
+            self._show_depth()
+            if msg is None:
+                return
+            if self._send_failure is not None:
+                continue
+            try:
+                if self._sender is not None:
+                    await self._sender.send(msg, msg.ByteSize())
+                else:
+                    await self._write(msg)
+            except Exception as e:
+                failure = e if isinstance(e, LinkError) else LinkError(f"boundary {self.boundary}: {e}")
+                failure.boundary = self.boundary
+                self._send_failure = failure
+
+    def _show_depth(self) -> None:
+        self.metrics.send_queue_depth.labels(str(self.boundary)).set(self._outbox.qsize())
+
+    async def _enqueue(self, msg: stage_pb2.StageMessage) -> None:
+        if self._send_failure is not None:
+            raise self._send_failure
+        await self._outbox.put(msg)
+        self._show_depth()
 
     async def _write(self, msg: stage_pb2.StageMessage) -> None:
         """Write one message; a stream the peer already closed becomes a :class:`LinkError`."""
@@ -197,19 +235,19 @@ class StageLink:
             ) from None
 
     async def send(self, item: Item) -> int:
-        """Send one item; returns its serialized size (what crossed the wire)."""
+        """Queue one item for sending (waits while the queue is full); returns its serialized size.
+
+        Raises the :class:`LinkError` of an earlier message that could not be written.
+        """
         msg = sync_to_message(item) if isinstance(item, BoundarySync) else to_message(item)
         size = msg.ByteSize()
+        await self._enqueue(msg)
         self.metrics.wire_bytes.labels(str(self.boundary), _direction(item), "sent").inc(size)
-        if self._sender is not None:
-            await self._sender.send(msg, size)
-        else:
-            await self._write(msg)
         return size
 
     async def send_error(self, code: int, reason: str) -> None:
         try:
-            await self._write(error_message(code, reason))
+            await asyncio.wait_for(self._enqueue(error_message(code, reason)), ERROR_SEND_S)
         except Exception:  # the stream may already be gone; the error is logged by the caller
             log.debug("could not send error on boundary %d", self.boundary)
 
@@ -258,7 +296,21 @@ class StageLink:
             fail(LinkError(f"boundary {b}: the peer closed the stream", b))
 
     async def close(self) -> None:
-        """Flush the emulated link, then half-close the stream (dialling side)."""
+        """Send what is queued (at most ``CLOSE_FLUSH_S``), flush the emulated link, then half-close
+        the stream (dialling side). Closing a closed link does nothing."""
+        if self._closed:
+            return
+        self._closed = True
+
+        async def flush() -> None:
+            await self._outbox.put(None)
+            await self._drainer
+
+        try:
+            await asyncio.wait_for(flush(), CLOSE_FLUSH_S)
+        except TimeoutError:  # the peer stopped reading: what is queued is lost with the stream
+            self._drainer.cancel()
+            await asyncio.gather(self._drainer, return_exceptions=True)
         if self._sender is not None:
             await self._sender.close()
         if self._finish is not None:

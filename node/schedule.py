@@ -190,7 +190,8 @@ class StageRunner:
         return await self._send(self.upstream, self.index - 1, "backward", frame)
 
     async def _send(self, link, boundary: int, direction: str, frame) -> int:
-        """Send one microbatch's frame, timed into ``swarm_microbatch_wire_seconds``; its bytes."""
+        """Queue one microbatch's frame (the link transmits it while compute goes on), timing any
+        backpressure into ``swarm_microbatch_wire_seconds``; its bytes."""
         start = time.perf_counter()
         sent = await link.send(frame)
         self.metrics.microbatch_wire.labels(str(boundary), direction).observe(time.perf_counter() - start)

@@ -71,7 +71,10 @@ class StageService(stage_pb2_grpc.StageServicer):
         boundary = first.hello.boundary
         await context.write(hello(acceptor.identity, boundary, acceptor.local_stage(boundary)))
         link = StageLink(boundary, context.read, context.write, self.metrics, self.profile)
-        await acceptor.attach(boundary, link)
+        try:
+            await acceptor.attach(boundary, link)
+        finally:  # what is queued goes out before the call ends (e.g. a refusal's Error)
+            await link.close()
 
     async def Ping(self, request: stage_pb2.PingRequest, context) -> stage_pb2.PingReply:
         acceptor = self.acceptor

@@ -101,7 +101,7 @@ class Metrics:
         )
         self.microbatch_wire = Histogram(
             "swarm_microbatch_wire_seconds",
-            "Time to hand one microbatch's frame to the boundary stream (incl. emulated link time)",
+            "Time one microbatch's frame waited to enter the boundary's send queue (backpressure)",
             ["boundary", "direction"],
             buckets=SECONDS_BUCKETS,
             registry=r,
@@ -110,6 +110,12 @@ class Metrics:
             "swarm_stream_queue_depth",
             "Frames received on a boundary and not yet computed",
             ["boundary", "direction"],
+            registry=r,
+        )
+        self.send_queue_depth = Gauge(
+            "swarm_send_queue_depth",
+            "Messages queued on a boundary for sending (compute runs ahead of the wire up to a bound)",
+            ["boundary"],
             registry=r,
         )
         self.reconnects = Counter(
