@@ -182,9 +182,16 @@ class MultiHostSwarm:
             time.sleep(0.5)
 
     def wait_complete(self, timeout: float = 600) -> StatusPoller:
-        self._wait(
-            lambda: self._status() is not None and self.poller.run_complete, timeout, "the run to complete"
-        )
+        """Until the run is complete and every node has said Leave (they linger, serving metrics)."""
+
+        def done() -> bool:
+            return (
+                self._status() is not None
+                and self.poller.run_complete
+                and all(n.left for n in self.poller.nodes)
+            )
+
+        self._wait(done, timeout, "the run to complete and every node to leave")
         return self.poller
 
     # -- looking at a host from inside it ---------------------------------------------------------
