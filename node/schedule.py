@@ -1,9 +1,13 @@
-"""The microbatch schedule of one hosted stage: GPipe over real boundary streams.
+"""The microbatch schedule of one hosted stage over real boundary streams: GPipe or 1F1B.
 
-Per step, stage 0 sends every microbatch forward as soon as it is computed (sends are
-queued, so compute overlaps the wire); middle stages forward what arrives; the last
-stage computes the loss of all microbatches, then sends their gradients back in
-reverse order; every stage backpropagates gradients as they arrive. Then neighbours
+GPipe (``train.schedule = "gpipe"``): stage 0 sends every microbatch forward as soon as it
+is computed (sends are queued, so compute overlaps the wire); middle stages forward what
+arrives; the last stage computes the loss of all microbatches, then sends their
+gradients back in reverse order; every stage backpropagates gradients as they arrive.
+1F1B (``"1f1b"``, PipeDream-flush): stage s of P runs ``min(P - 1 - s, M)`` forwards,
+then alternates one forward and one backward, then drains the remaining backwards, so
+it holds at most ``P - s`` microbatches' activations instead of all ``M``; the gradients
+are GPipe's up to the order of fp32 accumulation. Then neighbours
 exchange boundary state (MAPL gradient shares, RVQ codebook deltas), the optimizer
 steps, and a rotation announced for the next step is waited for and applied.
 
@@ -51,6 +55,7 @@ class StepOutcome:
     wire_bytes_backward: int
     seconds: float
     cut: bool = False  # the step was marked as a checkpoint cut
+    peak_live_microbatches: int = 0  # most microbatches whose activations the stage held at once
 
 
 class StageRunner:
@@ -137,28 +142,23 @@ class StageRunner:
         if self.rotation_ready is not None:
             await self.rotation_ready(step)
         w.begin_step(step)
+        self._cut, self._peak_live = cut, 0
+        chunks = self.batch_for_step(step).chunk(n_micro) if w.is_first else None
         fwd_wire = bwd_wire = 0
-        if w.is_first:
-            for mb, ids in enumerate(self.batch_for_step(step).chunk(n_micro)):
-                frame = await self._compute("forward", w.forward, step, mb, ids)
-                fwd_wire += await self._send_down(frame, cut)
+        if w.config.train.schedule == "1f1b":
+            warmup = min(w.config.n_stages - 1 - w.index, n_micro)
+            order = ["F"] * warmup + ["F", "B"] * (n_micro - warmup) + ["B"] * warmup
+            last_backwards = iter(range(n_micro))  # the last stage backpropagates in forward order
         else:
-            for _ in range(n_micro):
-                frame = await self._get(self._activations, "activation", step)
-                cut = cut or frame.cut
-                out = await self._forward(step, frame)
-                if not w.is_last:
-                    fwd_wire += await self._send_down(out, cut)
-        if w.is_last:
-            for mb in reversed(range(n_micro)):
-                grad = await self._compute("backward", w.backward, step, mb)
-                bwd_wire += await self._send_up(grad) if self.upstream is not None else 0
-        else:
-            for _ in range(n_micro):
-                frame = await self._get(self._gradients, "gradient", step)
-                grad = await self._backward(step, frame)
-                if grad is not None:
-                    bwd_wire += await self._send_up(grad)
+            order = ["F"] * n_micro + ["B"] * n_micro
+            last_backwards = iter(reversed(range(n_micro)))
+        forwards = iter(range(n_micro))
+        for op in order:
+            if op == "F":
+                fwd_wire += await self._forward_next(step, next(forwards), chunks)
+            else:
+                bwd_wire += await self._backward_next(step, last_backwards)
+        cut = self._cut
         await self._exchange_mapl_shares(step)
         stats = await asyncio.to_thread(w.optimizer_step, step)
         delta = await asyncio.to_thread(w.codebook_delta)
@@ -171,7 +171,8 @@ class StageRunner:
             w.apply_codebook_delta(sync.codebook_delta)
         seconds = time.perf_counter() - start
         self._observe(step, stats, seconds)
-        return StepOutcome(w.index, step, stats, fwd_wire, bwd_wire, seconds, cut)
+        self.metrics.live_microbatches.labels(str(w.index)).set(self._peak_live)
+        return StepOutcome(w.index, step, stats, fwd_wire, bwd_wire, seconds, cut, self._peak_live)
 
     async def _compute(self, kind: str, fn: Callable, *args):
         """``fn(*args)`` in a worker thread, timed into ``swarm_microbatch_compute_seconds``."""
@@ -179,6 +180,28 @@ class StageRunner:
         result = await asyncio.to_thread(fn, *args)
         self.metrics.microbatch_compute.labels(str(self.index), kind).observe(time.perf_counter() - start)
         return result
+
+    async def _forward_next(self, step: int, mb: int, chunks) -> int:
+        """The next microbatch forward (stage 0: microbatch ``mb``; others: what arrives next); bytes sent."""
+        w = self.worker
+        if w.is_first:
+            frame = await self._compute("forward", w.forward, step, mb, chunks[mb])
+        else:
+            received = await self._get(self._activations, "activation", step)
+            self._cut = self._cut or received.cut
+            frame = await self._forward(step, received)
+        self._peak_live = max(self._peak_live, w.live_microbatches)
+        return 0 if w.is_last else await self._send_down(frame, self._cut)
+
+    async def _backward_next(self, step: int, last_stage_order) -> int:
+        """The next microbatch backward (the last stage: in ``last_stage_order``; others: the next
+        gradient to arrive); bytes sent."""
+        w = self.worker
+        if w.is_last:
+            grad = await self._compute("backward", w.backward, step, next(last_stage_order))
+        else:
+            grad = await self._backward(step, await self._get(self._gradients, "gradient", step))
+        return 0 if grad is None or self.upstream is None else await self._send_up(grad)
 
     async def _send_down(self, frame: ActivationFrame, cut: bool) -> int:
         frame = dataclasses.replace(frame, cut=cut) if cut else frame

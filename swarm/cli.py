@@ -9,7 +9,7 @@ import sys
 import time
 import tomllib
 
-from swarm.config import MODEL_PRESETS, RunConfig, config_hash
+from swarm.config import MODEL_PRESETS, SCHEDULES, RunConfig, config_hash
 
 DEFAULT_RUN = {
     "model": dataclasses.asdict(MODEL_PRESETS["small"]),
@@ -33,6 +33,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--batch-size", type=int)
     g.add_argument("--seq-len", type=int)
     g.add_argument("--microbatches", type=int)
+    g.add_argument("--schedule", choices=SCHEDULES, help="microbatch schedule of every stage (swarm runs)")
     g.add_argument("--lr", type=float)
     g.add_argument("--rotate-every", type=int, help="steps between subspace rotations (0: static)")
     g.add_argument("--checkpoint-every", type=int, help="steps between stage snapshot cuts (0: none)")
@@ -59,6 +60,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         ("train", "batch_size"): args.batch_size,
         ("train", "seq_len"): args.seq_len,
         ("train", "microbatches"): args.microbatches,
+        ("train", "schedule"): args.schedule,
         ("train", "lr"): args.lr,
         ("train", "seed"): args.seed,
         ("rotation", "interval"): args.rotate_every,

@@ -150,6 +150,14 @@ class TrainConfig:
     stiefel_lr: float = 0.01
     eval_every: int = 50
     seed: int = 0
+    schedule: str = "gpipe"  # microbatch order per stage: "gpipe" or "1f1b" (PipeDream-flush)
+
+    def __post_init__(self) -> None:
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"train.schedule={self.schedule!r} must be one of {SCHEDULES}")
+
+
+SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass

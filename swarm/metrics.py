@@ -112,6 +112,12 @@ class Metrics:
             ["boundary", "direction"],
             registry=r,
         )
+        self.live_microbatches = Gauge(
+            "swarm_stage_live_microbatches",
+            "Most microbatches whose activations the stage held at once during its last step",
+            ["stage"],
+            registry=r,
+        )
         self.send_queue_depth = Gauge(
             "swarm_send_queue_depth",
             "Messages queued on a boundary for sending (compute runs ahead of the wire up to a bound)",

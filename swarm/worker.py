@@ -166,6 +166,11 @@ class StageWorker:
         elif isinstance(self.outbound.forward_format, ResidualVQ):
             self._sent_rows.append(output.detach().reshape(-1, output.shape[-1]))
 
+    @property
+    def live_microbatches(self) -> int:
+        """Microbatches whose activations are held for their backward pass."""
+        return len(self._microbatches)
+
     def backward(self, step: int, microbatch: int, gradient: GradientFrame | None = None):
         """Backpropagate one microbatch; returns the frame for the previous stage (None on stage 0)."""
         saved = self._microbatches.pop(microbatch, None)
