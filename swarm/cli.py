@@ -185,9 +185,13 @@ def cmd_generate(args: argparse.Namespace) -> int:
         return 0
     from swarm.remote_generate import generate_remote, parse_servers
 
-    text, stats = generate_remote(
-        trained, args.prompt, sampling, parse_servers(args.servers), args.boundary, args.format
-    )
+    try:
+        text, stats = generate_remote(
+            trained, args.prompt, sampling, parse_servers(args.servers), args.boundary, args.format
+        )
+    except RuntimeError as e:  # every server of a stage failed, or one refused our requests
+        print(f"swarm generate: {e}", file=sys.stderr)
+        return 1
     print(text)
     per_boundary = ", ".join(f"{b:.1f}" for b in stats.bytes_per_token)
     print(
