@@ -91,7 +91,8 @@ def markdown(r: dict) -> str:
         "## Throughput of a local swarm on emulated links",
         "`netns+tbf`: every node in its own network namespace behind a `tc tbf` access link of that rate "
         "(full duplex); `transport`: the transport's shaper. One-way delay always comes from the transport "
-        "shaper (no netem in this kernel). Bound: min(compute-only tokens/s, link rate / wire B per token).",
+        "shaper (no netem in this kernel). Bound: min(compute-only tokens/s, link rate / B per token on "
+        "the busiest uplink), where a middle node's uplink carries activations and gradients.",
         "",
         _table(
             r["throughput"],
@@ -102,18 +103,63 @@ def markdown(r: dict) -> str:
                 ("tokens/s", "tokens_per_s", ".0f"),
                 ("speedup vs dense bf16", "speedup_vs_dense_bf16", ".2f"),
                 ("wire fwd B/token", "wire_forward_B_per_token", ".1f"),
+                ("busiest uplink B/token", "busiest_uplink_B_per_token", ".1f"),
                 ("bound tokens/s", "physical_bound_tokens_per_s", ".0f"),
                 ("efficiency", "efficiency", ".0%"),
             ],
         ),
         "",
         *_peer_section(r),
+        *_paper_scale_section(r),
         *_churn_section(r),
         *_multihost_section(r),
         *_generation_section(r),
         f"Section times (s): {', '.join(f'{k} {v:.0f}' for k, v in r['seconds'].items())}.",
     ]
     return "\n".join(out) + "\n"
+
+
+def _paper_scale_section(r: dict) -> list[str]:
+    """The paper's model and links with emulated compute, and the paper's own numbers beside ours."""
+    ps = r.get("paper_scale")
+    if ps is None:
+        return []
+    prof, model, train = ps["profile"], ps["model"], ps["train"]
+    paper = ps["paper_tokens_per_s"]
+    rows = [
+        x | {"utilisation": sum(x["stage_compute_utilisation"]) / len(x["stage_compute_utilisation"])}
+        for x in ps["rows"]
+    ]
+    return [
+        f"## Paper scale with emulated compute: d={model['d_model']}, k={model['subspace_rank']}, "
+        f"{model['n_layers']} layers on {ps['n_stages']} nodes",
+        f"Compute profile `{prof['name']}`: forward {prof['forward_us_per_token_layer']} µs and backward "
+        f"{prof['backward_us_per_token_layer']} µs per token per layer ({prof['device']}). "
+        f"Source: {prof['source']}",
+        f"{train['microbatches']} microbatches of {train['batch_size'] // train['microbatches']} x "
+        f"{train['seq_len']} tokens per step; every node in its own network "
+        "namespace. Bound: min(stage compute rate, uplink rate / B per token on the busiest uplink). "
+        f"The paper (80 Mbit/s): {paper['dense']} tokens/s uncompressed, {paper['compressed']} compressed.",
+        "",
+        _table(
+            rows,
+            [
+                ("link", "link", ""),
+                ("schedule", "schedule", ""),
+                ("codec", "codec", ""),
+                ("tokens/s", "tokens_per_s", ".0f"),
+                ("vs dense", "speedup_vs_dense", ".2f"),
+                ("byte ratio", "byte_ratio_vs_dense", ".1f"),
+                ("busiest uplink B/token", "busiest_uplink_B_per_token", ".0f"),
+                ("bound tokens/s", "physical_bound_tokens_per_s", ".0f"),
+                ("binds", "binds", ""),
+                ("efficiency", "efficiency", ".0%"),
+                ("bubble ceiling", "schedule_ceiling", ".0%"),
+                ("compute utilisation", "utilisation", ".0%"),
+            ],
+        ),
+        "",
+    ]
 
 
 def _peer_section(r: dict) -> list[str]:

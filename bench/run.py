@@ -19,7 +19,18 @@ from pathlib import Path
 
 import torch
 
-from bench import churn, convergence, generation, multihost, overhead, peer, report, throughput, wire
+from bench import (
+    churn,
+    convergence,
+    generation,
+    multihost,
+    overhead,
+    paper_scale,
+    peer,
+    report,
+    throughput,
+    wire,
+)
 from bench.codecs import CodecCase, codec_cases
 from bench.netns import available as netns_available
 from bench.throughput import Link
@@ -46,6 +57,7 @@ class BenchPlan:
     multihost: multihost.MultiHostPlan | None = None
     multihost_codecs: list[str] = field(default_factory=lambda: ["dense bf16", "subspace bf16"])
     generation: generation.GenerationPlan | None = None
+    paper_scale: paper_scale.PaperScalePlan | None = None
 
 
 def plan(quick: bool) -> BenchPlan:
@@ -76,6 +88,14 @@ def plan(quick: bool) -> BenchPlan:
                 tiny, TrainConfig(steps=8, batch_size=4, seq_len=32, microbatches=2), mbps=100
             ),
             generation=generation.GenerationPlan(tiny, (10.0,), prompt_tokens=16, new_tokens=16, repeats=1),
+            paper_scale=paper_scale.PaperScalePlan(
+                tiny,
+                TrainConfig(steps=3, batch_size=4, seq_len=32, microbatches=4),
+                n_stages=4,
+                profile="paper-2b-8layer",
+                codecs=["dense bf16", "subspace bf16"],
+                links=[Link("80 Mbit/s, 50 ms RTT", 80, 25)],
+            ),
         )
     small = MODEL_PRESETS["small"]
     return BenchPlan(
@@ -110,6 +130,19 @@ def plan(quick: bool) -> BenchPlan:
             small, TrainConfig(steps=20, batch_size=8, seq_len=128, microbatches=2), mbps=100
         ),
         generation=generation.GenerationPlan(small, (2.0, 10.0, 80.0), prompt_tokens=64, new_tokens=32),
+        paper_scale=paper_scale.PaperScalePlan(
+            # the bundled tokenizer's vocabulary; with emulated layers it only sizes the fixed embedding
+            dataclasses.replace(MODEL_PRESETS["2b-8layer"], vocab_size=4096, max_seq_len=512),
+            TrainConfig(steps=3, batch_size=16, seq_len=512, microbatches=16),
+            n_stages=8,
+            profile="paper-2b-8layer",
+            links=[
+                Link("10 Mbit/s", 10),
+                Link("80 Mbit/s, 50 ms RTT", 80, 25),
+                Link("500 Mbit/s", 500),
+            ],
+            one_f_one_b_on="80 Mbit/s, 50 ms RTT",
+        ),
     )
 
 
@@ -168,6 +201,8 @@ def sections(p: BenchPlan, quick: bool) -> dict[str, Callable[[], object]]:
     }
     if p.peer:
         out["peer"] = run_peer
+    if p.paper_scale is not None:
+        out["paper_scale"] = lambda: _paper_scale(p)
     if p.churn is not None:
         out["churn"] = lambda: churn.run(p.churn)
     if p.multihost is not None:
@@ -182,26 +217,39 @@ def _needs_netns(section: Callable[[], object]) -> object:
     return section() if ok else {"skipped": reason}
 
 
+def _paper_scale(p: BenchPlan) -> dict:
+    """The paper's model on emulated compute; namespaces where available (quick: the transport's shaper)."""
+    ps = p.paper_scale
+    cases = _pick(_cases(ps.model), ps.codecs)
+    return paper_scale.run(ps, cases, shaper=p.shaper)
+
+
 def _multihost(p: BenchPlan) -> list[dict] | dict:
     """The README's multi-host recipe on emulated hosts (needs network namespaces: root + iproute2)."""
     codecs = {c.name: c.codec for c in _pick(_cases(p.multihost.model), p.multihost_codecs)}
     return _needs_netns(lambda: multihost.run(p.multihost, codecs))
 
 
-def main(quick: bool, out: str | Path, resume: bool = False) -> dict:
+def main(quick: bool, out: str | Path, resume: bool = False, only: list[str] | None = None) -> dict:
     """Run every section, saving ``results.json`` after each; ``resume`` keeps sections already saved
-    by an interrupted run of the same plan."""
+    by an interrupted run of the same plan; ``only`` reruns just the named sections and keeps the
+    others of the saved results (each section records the plan it ran under)."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     p = plan(quick)
-    results: dict = {"quick": quick, "machine": machine(), "plan": dataclasses.asdict(p), "seconds": {}}
+    current_plan = json.loads(json.dumps(dataclasses.asdict(p), default=str))
+    results: dict = {"quick": quick, "machine": machine(), "plan": current_plan, "seconds": {}}
     saved = out / "results.json"
-    if resume and saved.exists():
+    available = sections(p, quick)
+    unknown = set(only or ()) - set(available)
+    if unknown:
+        raise ValueError(f"unknown benchmark sections {sorted(unknown)}; choose from {list(available)}")
+    if (resume or only) and saved.exists():
         previous = json.loads(saved.read_text())
-        if previous.get("plan") == json.loads(json.dumps(results["plan"], default=str)):
-            results = previous
-    for name, section in sections(p, quick).items():
-        if name in results:
+        if only or previous.get("plan") == current_plan:
+            results = previous | {"plan": current_plan}
+    for name, section in available.items():
+        if (only and name not in only) or (not only and name in results):
             continue
         t0 = time.perf_counter()
         results[name] = section()

@@ -4,9 +4,10 @@ Links are shaped in the transport (:mod:`swarm.transport.shaper`: rate limit plu
 one-way delay on every stream's sends), the same for every codec, measured side by
 side in one run. Throughput is steady-state: tokens over the summed step durations,
 leaving out the first steps (process start-up, caches). The physical bound of each
-row is ``min(compute-only tokens/s, link rate / wire bytes per token)`` with the link
-full duplex (activations and gradients flow in opposite directions), where
-compute-only is the same codec's swarm on unshaped loopback.
+row is ``min(compute-only tokens/s, link rate / bytes per token on the busiest uplink)``:
+a middle node's access link carries its activations downstream *and* its gradients
+upstream (:func:`busiest_uplink_bytes`); compute-only is the same codec's swarm on
+unshaped loopback.
 
 ``shaper="netns"`` (where :func:`bench.netns.available`) rate-limits real links instead:
 every node runs in its own network namespace behind a ``tc tbf`` access link of the
@@ -27,8 +28,10 @@ from pathlib import Path
 
 from bench.codecs import CodecCase
 from bench.netns import EmulatedNetwork
+from swarm.artifacts import ArtifactCache, digest, matrix_to_bytes
 from swarm.config import ModelConfig, RunConfig, TrainConfig
 from swarm.local_swarm import up
+from swarm.subspace import initial_artifacts
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,25 +58,40 @@ def resolve_shaper(shaper: str) -> str:
     return "transport"
 
 
-def run_swarm(
-    case: CodecCase,
-    model: ModelConfig,
-    train: TrainConfig,
-    n_stages: int,
-    link: Link,
-    shaper: str = "transport",
-) -> dict:
-    """One codec on one link; ``shaper`` as resolved by :func:`resolve_shaper`."""
-    config = RunConfig(
+def run_config(case: CodecCase, model: ModelConfig, train: TrainConfig, n_stages: int) -> RunConfig:
+    """The run a codec case trains: the model constrained when the codec needs it."""
+    return RunConfig(
         model=dataclasses.replace(model, constrain_writes=case.constrained),
         codec=case.codec,
         train=train,
         n_stages=n_stages,
     )
+
+
+def busiest_uplink_bytes(forward: float, backward: float, n_stages: int) -> float:
+    """Bytes per token on the busiest node uplink: a middle stage sends its activations downstream
+    and its gradients upstream through the same access link; with two stages each sends one kind."""
+    return forward + backward if n_stages > 2 else max(forward, backward)
+
+
+def preload_embedding(run_dir: Path, config: RunConfig, nodes: int) -> None:
+    """Put the fixed embedding in every local node's artifact cache, as after its one-time fetch
+    (so a benchmark's start-up does not download it through the emulated links)."""
+    fixed, _ = initial_artifacts(config)
+    data = matrix_to_bytes(fixed)
+    key = digest(data)
+    for i in range(nodes):
+        ArtifactCache(run_dir / f"node{i}" / "artifacts").put(key, data)
+
+
+def run_swarm(config: RunConfig, name: str, link: Link, shaper: str = "transport") -> dict:
+    """One run on one link; ``shaper`` as resolved by :func:`resolve_shaper`."""
+    n_stages = config.n_stages
     netns = shaper == "netns" and link.mbps > 0
     threads = ["env", f"OMP_NUM_THREADS={threads_per_node(n_stages)}"]
     with contextlib.ExitStack() as stack:
-        run_dir = stack.enter_context(tempfile.TemporaryDirectory(prefix="swarm-bench-"))
+        run_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="swarm-bench-")))
+        preload_embedding(run_dir, config, n_stages)
         placement = {"launch_prefix": lambda i: threads}
         if netns:
             net = stack.enter_context(EmulatedNetwork(n_stages, link.mbps, control=True))
@@ -85,7 +103,7 @@ def run_swarm(
             )
         s = up(
             config,
-            Path(run_dir),
+            run_dir,
             link_mbps=0.0 if netns else link.mbps,
             link_latency_ms=link.one_way_ms,
             progress=False,
@@ -99,26 +117,29 @@ def run_swarm(
     boundaries = max(1, n_stages - 1)
     fwd = sum(x.bytes_sent_forward for x in steady) / boundaries / tokens
     bwd = sum(x.bytes_sent_backward for x in steady) / boundaries / tokens
+    uplink = busiest_uplink_bytes(fwd, bwd, n_stages)
     return {
-        "codec": case.name,
+        "codec": name,
         "link": link.name,
         "tokens_per_s": s.tokens_per_second,
+        "step_seconds": [x.wall_seconds for x in steady],
         "wire_forward_B_per_token": fwd,
         "wire_backward_B_per_token": bwd,
-        "link_bound_tokens_per_s": link.mbps * 1e6 / 8 / max(fwd, bwd) if link.mbps else None,
+        "busiest_uplink_B_per_token": uplink,
+        "link_bound_tokens_per_s": link.mbps * 1e6 / 8 / uplink if link.mbps else None,
         "final_loss": s.losses[-1],
         "shaper": "netns+tbf" if netns else "transport" if link.mbps or link.one_way_ms else "none",
         "threads_per_node": threads_per_node(n_stages),
     }
 
 
-def _attempt(case: CodecCase, model: ModelConfig, train: TrainConfig, n_stages: int, link: Link, shaper: str):
+def attempt(config: RunConfig, name: str, link: Link, shaper: str) -> dict:
     """:func:`run_swarm`, tried twice: a swarm that fails twice is an error the report must show."""
     try:
-        return run_swarm(case, model, train, n_stages, link, shaper)
+        return run_swarm(config, name, link, shaper)
     except RuntimeError as first:
-        warnings.warn(f"{case.name} on {link.name} failed, retrying: {first}", stacklevel=2)
-        return run_swarm(case, model, train, n_stages, link, shaper)
+        warnings.warn(f"{name} on {link.name} failed, retrying: {first}", stacklevel=2)
+        return run_swarm(config, name, link, shaper)
 
 
 def run(
@@ -136,11 +157,12 @@ def run(
     shaper = resolve_shaper(shaper)
     unshaped = Link("loopback (compute-only)", 0.0)
     rows = []
-    compute = {c.name: _attempt(c, model, train, n_stages, unshaped, "transport") for c in cases}
+    configs = {c.name: run_config(c, model, train, n_stages) for c in cases}
+    compute = {name: attempt(config, name, unshaped, "transport") for name, config in configs.items()}
     rows.extend(compute.values())
     for link in links:
         for case in cases:
-            row = _attempt(case, model, train, n_stages, link, shaper)
+            row = attempt(configs[case.name], case.name, link, shaper)
             bound = min(compute[case.name]["tokens_per_s"], row["link_bound_tokens_per_s"])
             row["physical_bound_tokens_per_s"] = bound
             row["efficiency"] = row["tokens_per_s"] / bound

@@ -266,6 +266,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         addresses = {n.id: n.address for n in self.nodes.values() if n.alive}
         return links_for(node_id, self._owners(), addresses)
 
+    def _neighbours(self, node_id: str, other_id: str) -> bool:
+        """Whether the current plan joins the two nodes across a boundary."""
+        return any(link.peer_node_id == other_id for link in self._links(node_id))
+
     def _alive_node(self, node_id: str) -> NodeRecord | None:
         node = self.nodes.get(node_id)
         return node if node is not None and node.alive else None
@@ -391,6 +395,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if peer is not None and peer.id in self.leaving:
             # A leaving node closed its streams after its final cut; its Leave starts the next epoch
             # from that cut (a new epoch now would drop the cut's snapshots still on their way).
+            return coordinator_pb2.FailureAck(plan_epoch=self.plan_epoch)
+        if request.bad_input and peer is not None and self._neighbours(request.node_id, peer.id):
+            log.warning(
+                "node %s evicted: its neighbour %s received an invalid frame from it: %s",
+                peer.id[:8],
+                request.node_id[:8],
+                request.reason[:200],
+            )
+            self.metrics.evictions.inc()
+            self._remove(peer)
             return coordinator_pb2.FailureAck(plan_epoch=self.plan_epoch)
         answered = peer is None or not peer.address or await self._answers(peer)
         # Re-check after the probe: the epoch may have moved on meanwhile.

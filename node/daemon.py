@@ -35,7 +35,7 @@ import torch
 
 from node.coordinator_client import CoordinatorClient, CoordinatorUnreachable, Fenced
 from node.link_manager import LinkManager, unreachable_boundaries
-from node.links import LinkError, RunIdentity
+from node.links import CLOSE_FLUSH_S, BadFrameError, LinkError, RunIdentity
 from node.settings import NodeSettings
 from node.stage_host import Checkpointer, StageHost
 from node.stage_service import StageService
@@ -300,6 +300,7 @@ class NodeDaemon:
                         node_id=self.node_id,
                         plan_epoch=plan.epoch,
                         reason=str(e)[:500],
+                        bad_input=isinstance(e, BadFrameError),
                     )
                     await self.client.call("ReportFailure", request)
                 return "failed"
@@ -331,6 +332,7 @@ class NodeDaemon:
             self.dht,
             self._boundaries_opened,
         )
+        finished = None
         try:
             self.client.set_phase(cpb.NODE_PHASE_READY)
             await links.connect(self.identity.run_id)
@@ -339,7 +341,10 @@ class NodeDaemon:
             self._final_cut = host.last_cut
             return finished
         finally:
-            await links.close()
+            # After its last step (of the run, or the cut it leaves at) a node's queued frames are
+            # what its neighbours need to finish that step: they get as long as a neighbour waits
+            # for a frame (on a slow link that is far beyond a teardown's flush).
+            await links.close(self.settings.timeouts.step_s if finished is not None else CLOSE_FLUSH_S)
 
     def _take_cut_request(self) -> bool:
         """Stage 0: whether a new cut request arrived since the last step it marked (``!=``: a

@@ -155,13 +155,14 @@ class LinkManager:
             raise LinkError(f"no address for stage {peer_stage}: not in the plan nor in the DHT") from None
         return endpoint.address
 
-    async def close(self) -> None:
-        """Flush and close every stream of this epoch; stop accepting for it."""
+    async def close(self, flush_s: float = CLOSE_FLUSH_S) -> None:
+        """Flush (each for at most ``flush_s``) and close every stream of this epoch; stop accepting
+        for it."""
         if self.service is not None and self.service.acceptor is self:
             self.service.acceptor = None
         for link in self._links:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(link.close(), timeout=CLOSE_FLUSH_S + 5)
+                await asyncio.wait_for(link.close(flush_s), timeout=flush_s + 5)
         for task in self._tasks:
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)

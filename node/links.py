@@ -35,7 +35,7 @@ from swarm.wire import ActivationFrame, BoundarySync, GradientFrame
 log = logging.getLogger(__name__)
 SEND_QUEUE_MESSAGES = 4  # messages a boundary holds queued for sending before send() waits
 ERROR_SEND_S = 5.0  # an Error for the peer waits at most this long for room in the send queue
-CLOSE_FLUSH_S = 10.0  # closing a link waits at most this long for its queued messages to go out
+CLOSE_FLUSH_S = 10.0  # tearing a link down waits at most this long for its queued messages to go out
 
 Item = ActivationFrame | GradientFrame | BoundarySync
 Deliver = Callable[[Item], None]
@@ -47,6 +47,10 @@ class LinkError(RuntimeError):
     def __init__(self, message: str, boundary: int | None = None):
         super().__init__(message)
         self.boundary = boundary
+
+
+class BadFrameError(LinkError):
+    """The peer across ``boundary`` sent a frame that failed validation: it is reported for eviction."""
 
 
 @dataclass(frozen=True)
@@ -172,7 +176,7 @@ class LocalLink:
     async def send_error(self, code: int, reason: str) -> None:
         """The receiving stage on this node raises the error itself; nothing to send."""
 
-    async def close(self) -> None:
+    async def close(self, flush_s: float = 0.0) -> None:
         """Nothing to flush in memory."""
 
 
@@ -295,8 +299,8 @@ class StageLink:
         else:
             fail(LinkError(f"boundary {b}: the peer closed the stream", b))
 
-    async def close(self) -> None:
-        """Send what is queued (at most ``CLOSE_FLUSH_S``), flush the emulated link, then half-close
+    async def close(self, flush_s: float = CLOSE_FLUSH_S) -> None:
+        """Send what is queued (for at most ``flush_s``), flush the emulated link, then half-close
         the stream (dialling side). Closing a closed link does nothing."""
         if self._closed:
             return
@@ -307,7 +311,7 @@ class StageLink:
             await self._drainer
 
         try:
-            await asyncio.wait_for(flush(), CLOSE_FLUSH_S)
+            await asyncio.wait_for(flush(), flush_s)
         except TimeoutError:  # the peer stopped reading: what is queued is lost with the stream
             self._drainer.cancel()
             await asyncio.gather(self._drainer, return_exceptions=True)

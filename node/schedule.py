@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from node.links import rejection_reason
+from node.links import BadFrameError, rejection_reason
 from swarm._proto.swarm.v1 import stage_pb2
 from swarm.codecs.base import PayloadError, StaleVersionError
 from swarm.mapl import pack_gradients, sum_gradients, unpack_gradients
@@ -224,21 +224,25 @@ class StageRunner:
         try:
             return await self._compute("forward", self.worker.forward, step, frame.microbatch, frame)
         except PayloadError as e:
-            await self._reject(self.upstream, e)
-            raise
+            raise await self._reject(self.upstream, self.index - 1, e) from e
 
     async def _backward(self, step: int, frame: GradientFrame):
         try:
             return await self._compute("backward", self.worker.backward, step, frame.microbatch, frame)
         except PayloadError as e:
-            await self._reject(self.downstream, e)
-            raise
+            raise await self._reject(self.downstream, self.index, e) from e
 
-    async def _reject(self, link, error: PayloadError) -> None:
+    async def _reject(self, link, boundary: int, error: PayloadError) -> Exception:
+        """Answer a frame that failed validation with an ``Error`` and count it; the exception the step
+        fails with: a stale subspace version as it is (a timing matter between honest peers), anything
+        else as :class:`BadFrameError`, which gets the sender evicted."""
         stale = isinstance(error, StaleVersionError)
         code = stage_pb2.ERROR_CODE_SUBSPACE_VERSION if stale else stage_pb2.ERROR_CODE_BAD_PAYLOAD
         self.metrics.rejected.labels(rejection_reason(code)).inc()
         await link.send_error(code, str(error))
+        if stale:
+            return error
+        return BadFrameError(f"boundary {boundary}: bad frame from the peer: {error}", boundary)
 
     async def _exchange_mapl_shares(self, step: int) -> None:
         """Send this side's MAPL gradient shares, add the neighbours' (the sum is identical on both)."""

@@ -215,7 +215,8 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from bench.run import main as bench_main
 
     out = args.out or ("results/bench-quick" if args.quick else "bench/results")
-    results = bench_main(args.quick, out, resume=args.resume)
+    only = args.only.split(",") if args.only else None
+    results = bench_main(args.quick, out, resume=args.resume, only=only)
     print(
         f"benchmarks done in {sum(results['seconds'].values()):.0f} s: {out}/results.md, results.json, *.png"
     )
@@ -296,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
         "--out", help="results folder (default: bench/results, or results/bench-quick with --quick)"
     )
     p.add_argument("--resume", action="store_true", help="keep the sections an interrupted run already saved")
+    p.add_argument(
+        "--only", help="comma-separated sections to rerun (e.g. paper_scale); the others are kept from --out"
+    )
     p.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)
     try:

@@ -16,6 +16,8 @@ from typing import Any, Literal
 
 import torch
 
+from swarm.emulation import check_emulable, load_profile
+
 Compression = Literal["none", "subspace", "mapl"]
 
 
@@ -161,6 +163,14 @@ SCHEDULES = ("gpipe", "1f1b")
 
 
 @dataclass
+class EmulationConfig:
+    """Benchmarks only: replace every stage's layers by waits from a compute profile
+    (:mod:`swarm.emulation`; a bundled profile's name or a JSON path). Empty: real compute."""
+
+    profile: str = ""
+
+
+@dataclass
 class DataConfig:
     source: str | None = None
     tokenizer: str = "bpe"
@@ -176,6 +186,7 @@ class RunConfig:
     train: TrainConfig = field(default_factory=TrainConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    emulation: EmulationConfig = field(default_factory=EmulationConfig)
     n_stages: int = 2
 
     def __post_init__(self) -> None:
@@ -185,6 +196,9 @@ class RunConfig:
             raise ValueError("codec 'subspace' needs model.subspace_rank > 0")
         if self.train.batch_size % self.train.microbatches:
             raise ValueError("train.batch_size must be a multiple of train.microbatches")
+        if self.emulation.profile:
+            load_profile(self.emulation.profile)
+            check_emulable(self)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -193,6 +207,7 @@ class RunConfig:
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
         sections = {"model": ModelConfig, "codec": CodecConfig, "rotation": RotationConfig}
         sections |= {"train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig}
+        sections |= {"emulation": EmulationConfig}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:

@@ -13,6 +13,8 @@ them so both copies take the identical step (see :class:`swarm.optim.StiefelSGD`
 
 from __future__ import annotations
 
+import struct
+
 import torch
 from torch import nn
 
@@ -70,23 +72,65 @@ def sum_gradients(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dic
     return {name: a[name] + b[name].to(a[name].device) for name in a}
 
 
+SPARSE_ROWS = "anchor_tokens"  # its gradient has rows only for the tokens a step saw
+
+
 def pack_gradients(grads: dict[str, torch.Tensor]) -> bytes:
-    """A gradient share as float32 little-endian bytes, in the boundary's parameter order."""
-    return b"".join(
-        g.detach().cpu().float().contiguous().numpy().astype("<f4").tobytes() for g in grads.values()
-    )
+    """A gradient share as little-endian bytes, in the boundary's parameter order: float32 tensors,
+    except the anchor table, sent as its touched rows (``uint32`` count, ``uint32`` row indices,
+    float32 rows): a step touches a few hundred of the vocabulary's rows."""
+    parts = []
+    for name, g in grads.items():
+        g = g.detach().cpu().float().contiguous()
+        if name == SPARSE_ROWS:
+            rows = (g != 0).any(dim=1).nonzero().flatten()
+            parts += [struct.pack("<I", len(rows)), rows.numpy().astype("<u4").tobytes()]
+            g = g[rows]
+        parts.append(g.numpy().astype("<f4").tobytes())
+    return b"".join(parts)
 
 
 def unpack_gradients(data: bytes, boundary: MaplBoundary) -> dict[str, torch.Tensor]:
-    """Inverse of :func:`pack_gradients` for ``boundary``'s parameters; checks the size and finiteness."""
-    params = dict(boundary.named_parameters())
-    expected = 4 * sum(p.numel() for p in params.values())
-    if len(data) != expected:
-        raise PayloadError(f"MAPL gradient share must be {expected} bytes, got {len(data)}")
+    """Inverse of :func:`pack_gradients` for ``boundary``'s parameters; checks every size, every row
+    index (in range, strictly increasing) and finiteness."""
+    reader = _Reader(data)
+    out = {}
+    for name, p in boundary.named_parameters():
+        if name == SPARSE_ROWS:
+            n_rows, cols = p.shape
+            (count,) = struct.unpack("<I", reader.take(4, "row count"))
+            if count > n_rows:
+                raise PayloadError(f"MAPL gradient share: {count} rows for a {n_rows}-row anchor table")
+            raw = reader.take(4 * count, "row indices")
+            rows = torch.tensor(struct.unpack(f"<{count}I", raw), dtype=torch.long)
+            if count and (rows[-1] >= n_rows or bool((rows[1:] <= rows[:-1]).any())):
+                raise PayloadError("MAPL gradient share: row indices out of range or not increasing")
+            values = _floats(reader.take(4 * count * cols, "anchor rows")).view(count, cols)
+            grad = torch.zeros(n_rows, cols)
+            grad[rows] = values
+        else:
+            grad = _floats(reader.take(4 * p.numel(), name)).view(p.shape)
+        out[name] = grad.to(device=p.device, dtype=p.dtype)
+    if reader.offset != len(data):
+        raise PayloadError(f"MAPL gradient share has {len(data) - reader.offset} trailing bytes")
+    return out
+
+
+def _floats(data: bytes) -> torch.Tensor:
+    if not data:
+        return torch.zeros(0)
     flat = torch.frombuffer(bytearray(data), dtype=torch.float32)
     check_finite(flat, "MAPL gradient share")
-    out, offset = {}, 0
-    for name, p in params.items():
-        out[name] = flat[offset : offset + p.numel()].view(p.shape).to(device=p.device, dtype=p.dtype)
-        offset += p.numel()
-    return out
+    return flat
+
+
+class _Reader:
+    def __init__(self, data: bytes):
+        self.data, self.offset = data, 0
+
+    def take(self, n: int, what: str) -> bytes:
+        if self.offset + n > len(self.data):
+            raise PayloadError(f"MAPL gradient share ends inside its {what} ({len(self.data)} bytes)")
+        chunk = self.data[self.offset : self.offset + n]
+        self.offset += n
+        return chunk

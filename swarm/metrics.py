@@ -166,6 +166,11 @@ class Metrics:
             "Dense bf16 activation bytes over serialized boundary bytes, over the recent steps",
             registry=r,
         )
+        self.evictions = Counter(
+            "swarm_evictions",
+            "Nodes evicted because a neighbour received invalid frames from them",
+            registry=r,
+        )
 
     def checkpointed(self, step: int, at: float | None = None) -> None:
         """A snapshot (node) or complete cut (coordinator) of ``step`` exists since ``at`` (unix time)."""

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.config import RunConfig
-from swarm.mapl import sum_gradients
+from swarm.mapl import pack_gradients, sum_gradients
 from swarm.subspace import SubspaceRotation, initial_artifacts, next_rotation
 from swarm.worker import StageStats, StageWorker
 
@@ -83,7 +83,7 @@ class LocalPipeline:
                 total = sum_gradients(a, b)
                 sender.set_boundary_gradients("out", total)
                 receiver.set_boundary_gradients("in", total)
-                moved += 2 * sum(g.numel() * 4 for g in a.values())
+                moved += len(pack_gradients(a)) + len(pack_gradients(b))
         return moved
 
     def ship_codebooks(self) -> int:

@@ -21,11 +21,22 @@ from swarm.codecs.base import PayloadError
 from swarm.codecs.boundary import BoundaryCodec, IdentityMap, SubspaceMap
 from swarm.codecs.rvq import ResidualVQ
 from swarm.config import RunConfig, stage_layer_ranges
+from swarm.emulation import EmulatedStage, load_profile
 from swarm.mapl import MaplBoundary, boundary_gradients, set_boundary_gradients
 from swarm.model import Stage, name_seed
 from swarm.optim import build_optimizer
 from swarm.subspace import BoundaryStatistic, SubspaceRotation, rotate_stage
 from swarm.wire import ActivationFrame, GradientFrame
+
+
+def _build_stage(
+    config: RunConfig, start: int, end: int, fixed_embedding: torch.Tensor, basis: torch.Tensor | None
+) -> torch.nn.Module:
+    """The stage's layers: real ones, or a compute-emulated stand-in when the run names a profile."""
+    if config.emulation.profile:
+        profile = load_profile(config.emulation.profile)
+        return EmulatedStage(config, start, end, fixed_embedding, basis, profile)
+    return Stage(config.model, start, end, fixed_embedding, basis, config.train.seed)
 
 
 @dataclass
@@ -60,8 +71,7 @@ class StageWorker:
         self.config, self.index = config, index
         self.device, self.dtype = torch.device(device), dtype
         start, end = stage_layer_ranges(config.model.n_layers, config.n_stages)[index]
-        seed = config.train.seed
-        self.stage = Stage(config.model, start, end, fixed_embedding, basis, seed).to(device, dtype)
+        self.stage = _build_stage(config, start, end, fixed_embedding, basis).to(device, dtype)
         # The codec's basis: the stage's own buffer when the model is constrained (rotations
         # then move both together), a private copy when it only serves the codec.
         self.basis = self.stage.basis
@@ -79,6 +89,7 @@ class StageWorker:
             else None
         )
         self._microbatches: dict[int, _Microbatch] = {}
+        self._forwarded: set[int] = set()  # the microbatches of this step forwarded so far
         self._sent_rows: list[torch.Tensor] = []
         self.stats = StageStats()
 
@@ -129,6 +140,8 @@ class StageWorker:
         With ``train=False`` (evaluation) nothing is kept for backward or counted in the stats.
         """
         received = None
+        if train:
+            self._check_new_microbatch(step, microbatch)
         if self.is_first:
             if not isinstance(source, torch.Tensor):
                 raise TypeError("stage 0 takes token ids, not a frame")
@@ -155,6 +168,17 @@ class StageWorker:
         if self.is_last:
             return loss.item()
         return frame
+
+    def _check_new_microbatch(self, step: int, microbatch: int) -> None:
+        """A replayed microbatch (already forwarded this step) or one outside the step is refused."""
+        if not 0 <= microbatch < self.config.train.microbatches:
+            raise PayloadError(
+                f"stage {self.index}: microbatch {microbatch} of step {step} is outside "
+                f"[0, {self.config.train.microbatches})"
+            )
+        if microbatch in self._forwarded:
+            raise PayloadError(f"stage {self.index}: microbatch {microbatch} of step {step} replayed")
+        self._forwarded.add(microbatch)
 
     def _record(self, microbatch: int, ids: torch.Tensor, output: torch.Tensor, received) -> None:
         tokens = ids[:, :-1].numel()
@@ -237,7 +261,8 @@ class StageWorker:
         self.pending_rotation = rotation
 
     def begin_step(self, step: int) -> None:
-        """Apply a pending rotation whose effective step has come."""
+        """Start a step: no microbatch forwarded yet; apply a pending rotation whose step has come."""
+        self._forwarded.clear()
         rot = self.pending_rotation
         if rot is not None and step >= rot.effective_step:
             if step > rot.effective_step:

@@ -11,7 +11,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -136,8 +136,16 @@ def coordinator(
     return procs[-1].wait_for(r"coordinator listening on (\S+)", 60).group(1)
 
 
-def node(procs: list[Proc], folder: Path, name: str, address: str, *flags: str) -> Proc:
-    args = [sys.executable, "-m", "node.cli", "join", "--coordinator", address, "--token", TOKEN]
+def node(
+    procs: list[Proc],
+    folder: Path,
+    name: str,
+    address: str,
+    *flags: str,
+    runner: Sequence[str] = ("node.cli",),
+) -> Proc:
+    """Start ``swarm-node join`` (``runner``: the module and its leading arguments, e.g. a hostile node)."""
+    args = [sys.executable, "-m", *runner, "join", "--coordinator", address, "--token", TOKEN]
     args += ["--data-dir", str(folder / name), "--device", "cpu", "--no-dht", "--name", name]
     args += ["--connect-timeout", "30", *flags]
     procs.append(Proc(args, folder / f"{name}.err"))

@@ -25,6 +25,12 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     links = {row["link"] for row in results["throughput"]}
     assert "loopback (compute-only)" in links and len(links) == 2
     assert all(row["tokens_per_s"] > 0 for row in results["throughput"])
+    paper = results["paper_scale"]
+    dense, subspace = paper["rows"]
+    assert (dense["codec"], subspace["codec"]) == ("dense bf16", "subspace bf16")
+    assert subspace["byte_ratio_vs_dense"] > 3 and subspace["tokens_per_s"] > 0
+    assert subspace["efficiency"] > 0 and all(0 < u < 1.5 for u in subspace["stage_compute_utilisation"])
+    assert paper["profile"]["name"] == "paper-2b-8layer"
     calm, churned = results["churn"]
     assert calm["kills"] == 0 and calm["steps"] == churned["steps"] == 150
     # Every kill was recovered from (a fresh node took the stage) and cost at most a cut's worth of steps.
@@ -33,6 +39,7 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     assert 0 < churned["retained"] < 1.5
     report = (tmp_path / "results.md").read_text()
     assert "## Churn" in report and "## The README's multi-host recipe" in report
+    assert "## Paper scale with emulated compute" in report
     assert "## Generation through a swarm" in report
     if available()[0]:  # the recipe on emulated hosts, subspace next to dense
         dense, subspace = results["multihost"]

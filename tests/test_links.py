@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from node.links import LinkError, LocalLink, PlannedPeer, RunIdentity, StageLink, dial, hello
+from node.links import BadFrameError, LinkError, LocalLink, PlannedPeer, RunIdentity, StageLink, dial, hello
 from node.schedule import StageRunner
 from node.stage_service import StageService
 from swarm._proto.swarm.v1 import common_pb2, stage_pb2, stage_pb2_grpc
@@ -279,6 +279,41 @@ def test_stale_subspace_version_is_rejected_on_both_sides():
     run(main())
 
 
+@pytest.mark.parametrize("attack", ["replay", "nan"])
+def test_a_bad_frame_fails_the_step_as_the_senders_fault(attack):
+    """A replayed microbatch or NaN coordinates: the receiver answers BAD_PAYLOAD, counts it, and its
+    step fails with a BadFrameError naming the boundary (the node then reports the sender for
+    eviction); nothing reaches the receiver's parameters."""
+    workers = LocalPipeline(CONFIG).workers
+    before = [p.detach().clone() for p in workers[1].parameters()]
+
+    async def main() -> None:
+        async with connected_pair(workers) as pair:
+            link = pair.up.downstream
+            honest_send = link.send
+
+            async def hostile_send(item) -> int:
+                if attack == "nan" and isinstance(item, ActivationFrame):
+                    bad = bytes(len(item.payload.data) - 2) + b"\xc0\x7f"  # a bf16 NaN at the end
+                    item = replace(item, payload=replace(item.payload, data=bad))
+                sent = await honest_send(item)
+                if attack == "replay" and isinstance(item, ActivationFrame):
+                    sent += await honest_send(item)
+                return sent
+
+            link.send = hostile_send
+            up, down = await asyncio.gather(
+                pair.up.run_step(0), pair.down.run_step(0), return_exceptions=True
+            )
+            assert isinstance(down, BadFrameError) and down.boundary == 0, down
+            assert ("replayed" if attack == "replay" else "non-finite") in str(down)
+            assert isinstance(up, LinkError) and "ERROR_CODE_BAD_PAYLOAD" in str(up), up
+            assert rejected(pair.down.metrics, "bad_payload") == 1
+
+    run(main())
+    assert all(torch.equal(a, b) for a, b in zip(workers[1].parameters(), before, strict=True))
+
+
 def test_malformed_messages_are_answered_counted_and_survived():
     frame = LocalPipeline(CONFIG).workers[0].forward(0, 0, random_batch(CONFIG)[:2])
     delivered: list[object] = []
@@ -366,6 +401,30 @@ def test_sends_overlap_the_wire_and_a_full_queue_applies_backpressure_without_lo
     assert on_wire == 0
     assert max(depths) == 2 and final_depth == 0  # bounded: the sender waited for room
     assert steps == list(range(10))  # nothing lost, nothing reordered
+
+
+@pytest.mark.parametrize("flush_s", [0.3, 10.0])
+def test_closing_after_the_last_step_delivers_everything_queued(flush_s):
+    """At 1 Mbit/s four queued 10 kB frames need ~0.3 s: a teardown's short flush loses the tail,
+    the end-of-run flush (bounded by the step timeout) delivers it all."""
+
+    async def scenario() -> list[int]:
+        written: list[stage_pb2.StageMessage] = []
+
+        async def write(msg: stage_pb2.StageMessage) -> None:
+            written.append(msg)
+
+        link = StageLink(0, asyncio.Event().wait, write, Metrics("node"), LinkProfile(mbps=1.0))
+        for step in range(5):
+            await link.send(gradient(step))
+        await link.close(flush_s)
+        return [m.gradient.step for m in written]
+
+    steps = run(scenario())
+    if flush_s > 1:
+        assert steps == list(range(5))
+    else:
+        assert steps == list(range(len(steps))) and len(steps) < 5  # in order, the tail dropped
 
 
 def test_a_failed_write_surfaces_on_the_next_send_and_nobody_hangs():

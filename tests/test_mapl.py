@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import struct
+
+import pytest
 import torch
 
+from swarm.codecs.base import PayloadError
+from swarm.mapl import pack_gradients, unpack_gradients
 from swarm.optim import StiefelSGD, qr_retraction
 from swarm.pipeline import LocalPipeline
 from tests.helpers import random_batch, tiny_config
@@ -66,3 +71,50 @@ def test_rvq_codebooks_stay_in_sync_across_the_boundary():
     tokens = config.train.batch_size * config.train.seq_len
     ids_bytes = config.train.batch_size * (config.train.seq_len + 1) * 2
     assert results[-1].bytes_forward == [tokens * (config.codec.rvq_codebooks + 2) + ids_bytes] * 3
+
+
+def test_gradient_share_sends_only_the_touched_anchor_rows_and_round_trips_exactly():
+    config = tiny_config(kind="mapl", rank=0)
+    pipe = LocalPipeline(config)
+    pipe.train_step(0, random_batch(config, seed=0))  # the anchor map starts at zero: no anchor gradient
+    batch = random_batch(config, seed=1)
+    pipe.forward_backward(1, batch)
+    boundary = pipe.workers[0].mapl["out"]
+    share = pipe.workers[0].boundary_gradients("out")
+    packed = pack_gradients(share)
+    back = unpack_gradients(packed, boundary)
+    assert all(torch.equal(back[name], share[name]) for name in share)
+    touched = int((share["anchor_tokens"] != 0).any(dim=1).sum())
+    assert 0 < touched <= len(batch.unique())  # the sender's anchor rows of this step's input tokens
+    dense = 4 * sum(g.numel() for g in share.values())
+    vocab, anchor = share["anchor_tokens"].shape
+    assert len(packed) == dense - 4 * vocab * anchor + 4 + touched * (4 + 4 * anchor)
+
+
+def test_malformed_gradient_shares_are_rejected():
+    config = tiny_config(kind="mapl", rank=0)
+    pipe = LocalPipeline(config)
+    pipe.train_step(0, random_batch(config, seed=0))
+    pipe.forward_backward(1, random_batch(config, seed=1))
+    boundary = pipe.workers[0].mapl["out"]
+    share = pipe.workers[0].boundary_gradients("out")
+    good = pack_gradients(share)
+    head = 4 * share["projection"].numel()  # the anchor table's row count follows the projection
+    vocab = share["anchor_tokens"].shape[0]
+    count = struct.unpack_from("<I", good, head)[0]
+    rows = list(struct.unpack_from(f"<{count}I", good, head + 4))
+
+    def with_rows(new_rows: list[int]) -> bytes:
+        return good[: head + 4] + struct.pack(f"<{count}I", *new_rows) + good[head + 4 + 4 * count :]
+
+    cases = {
+        "ends inside": good[:-3],
+        "trailing": good + b"\0\0\0\0",
+        "rows for a": good[:head] + struct.pack("<I", vocab + 1) + good[head + 4 :],
+        "out of range": with_rows([*rows[:-1], vocab]),
+        "not increasing": with_rows([rows[1], rows[0], *rows[2:]]),
+        "non-finite": pack_gradients({**share, "projection": share["projection"] * float("nan")}),
+    }
+    for expected, data in cases.items():
+        with pytest.raises(PayloadError, match=expected):
+            unpack_gradients(data, boundary)

@@ -177,16 +177,18 @@ class CheckpointAck(_message.Message):
     def __init__(self, latest_cut: _Optional[int] = ...) -> None: ...
 
 class FailureReport(_message.Message):
-    __slots__ = ("node_id", "plan_epoch", "reason", "peer_node_id")
+    __slots__ = ("node_id", "plan_epoch", "reason", "peer_node_id", "bad_input")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     REASON_FIELD_NUMBER: _ClassVar[int]
     PEER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    BAD_INPUT_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     plan_epoch: int
     reason: str
     peer_node_id: str
-    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., reason: _Optional[str] = ..., peer_node_id: _Optional[str] = ...) -> None: ...
+    bad_input: bool
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., reason: _Optional[str] = ..., peer_node_id: _Optional[str] = ..., bad_input: _Optional[bool] = ...) -> None: ...
 
 class FailureAck(_message.Message):
     __slots__ = ("plan_epoch",)

@@ -1,0 +1,103 @@
+"""Measure a compute profile: one transformer layer's forward and backward time per token on a device.
+
+``python -m bench.compute_profile --preset 2b-8layer --device cuda --out my-gpu.json`` times
+one :class:`swarm.model.Block` of the preset (subspace-constrained as the preset says) on
+``--seq-len`` tokens per sequence, median of ``--repeats`` after warm-up, and writes a
+:class:`swarm.emulation.ComputeProfile` that ``emulation.profile`` accepts by path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from swarm.config import MODEL_PRESETS, ModelConfig, pick_device
+from swarm.emulation import ComputeProfile
+from swarm.model import Block, rope_tables
+from swarm.subspace import random_basis
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(
+    model: ModelConfig,
+    device: torch.device,
+    dtype: torch.dtype,
+    seq_len: int,
+    batch: int = 1,
+    repeats: int = 5,
+) -> tuple[float, float]:
+    """Median forward and backward seconds of one layer on ``batch x seq_len`` tokens."""
+    torch.manual_seed(0)
+    block = Block(model).to(device, dtype)
+    basis = (
+        random_basis(model.d_model, model.subspace_rank, 0).to(device, dtype) if model.constrained else None
+    )
+    cos, sin = (t[:seq_len].to(device, dtype) for t in rope_tables(model.head_dim, seq_len, model.rope_theta))
+    x = torch.randn(batch, seq_len, model.d_model, device=device, dtype=dtype, requires_grad=True)
+    forward, backward = [], []
+    for i in range(repeats + 1):  # the first round warms up kernels and allocators
+        _sync(device)
+        t0 = time.perf_counter()
+        y = block(x, cos, sin, basis)
+        _sync(device)
+        t1 = time.perf_counter()
+        y.backward(torch.ones_like(y))
+        _sync(device)
+        t2 = time.perf_counter()
+        if i:
+            forward.append(t1 - t0)
+            backward.append(t2 - t1)
+        block.zero_grad(set_to_none=True)
+        x.grad = None
+    return statistics.median(forward), statistics.median(backward)
+
+
+def profile(preset: str, device: str, seq_len: int, batch: int, repeats: int) -> ComputeProfile:
+    model, dev = MODEL_PRESETS[preset], pick_device(device)
+    dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    fwd, bwd = measure(model, dev, dtype, seq_len, batch, repeats)
+    tokens = batch * seq_len
+    name = (
+        torch.cuda.get_device_name(dev) if dev.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
+    )
+    return ComputeProfile(
+        name=f"{preset}-{dev.type}",
+        model=preset,
+        device=name,
+        source=(
+            f"measured by `python -m bench.compute_profile --preset {preset} --device {device} "
+            f"--seq-len {seq_len} --batch {batch}`: one layer in {dtype}, median of {repeats}, "
+            f"torch {torch.__version__}"
+        ),
+        forward_us_per_token_layer=fwd / tokens * 1e6,
+        backward_us_per_token_layer=bwd / tokens * 1e6,
+        seq_len=seq_len,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--preset", default="2b-8layer", choices=sorted(MODEL_PRESETS))
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    result = profile(args.preset, args.device, args.seq_len, args.batch, args.repeats)
+    result.save(args.out)
+    print(
+        f"{result.name}: forward {result.forward_us_per_token_layer:.2f} us/token/layer, "
+        f"backward {result.backward_us_per_token_layer:.2f}; written to {args.out}"
+    )
+
+
+if __name__ == "__main__":
+    main()

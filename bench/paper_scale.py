@@ -1,0 +1,92 @@
+"""The paper's setting with emulated compute: a 2B, 8-layer model on 8 nodes over slow links.
+
+Every node process runs the real runtime: real codecs on real-size tensors (d=4096,
+k=40), real frames, real gRPC through network namespaces with ``tc tbf`` access links
+(plus the transport's one-way delay: the kernel has no netem). Only the transformer
+layers are replaced by waits from a compute profile (:mod:`swarm.emulation`), so the
+table shows how much of each node's compute a swarm uses on the profiled device.
+
+Each row's physical bound is ``min(stage compute rate, uplink rate / bytes per token on
+the busiest uplink)``; the schedule ceiling ``M / (M + P - 1)`` (the pipeline bubble of
+GPipe and 1F1B with ``M`` microbatches and ``P`` stages) is reported next to it, since no
+schedule of one step's microbatches can beat it when compute binds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from bench.codecs import CodecCase
+from bench.throughput import Link, attempt, resolve_shaper, run_config
+from swarm.config import CheckpointConfig, EmulationConfig, ModelConfig, TrainConfig, stage_layer_ranges
+from swarm.emulation import load_profile
+
+# The paper's headline (Subspace Networks, 2B 8-layer model at 80 Mbit/s): uncompressed -> compressed.
+PAPER_TOKENS_PER_S = {"dense": 36.12, "compressed": 592.41}
+
+
+@dataclass
+class PaperScalePlan:
+    model: ModelConfig
+    train: TrainConfig
+    n_stages: int
+    profile: str
+    codecs: list[str] = field(default_factory=lambda: ["dense bf16", "subspace bf16", "subspace int8/token"])
+    links: list[Link] = field(default_factory=list)
+    one_f_one_b_on: str | None = None  # the link on which every codec also runs under 1F1B
+
+
+def _config(case: CodecCase, plan: PaperScalePlan, schedule: str):
+    train = dataclasses.replace(plan.train, schedule=schedule)
+    config = run_config(case, plan.model, train, plan.n_stages)
+    return dataclasses.replace(
+        config, emulation=EmulationConfig(plan.profile), checkpoint=CheckpointConfig(interval=0)
+    )
+
+
+def run(plan: PaperScalePlan, cases: list[CodecCase], shaper: str = "netns") -> dict:
+    """Every codec on every link: tokens/s, the bound, utilisation, and the paper's numbers beside them."""
+    shaper = resolve_shaper(shaper)
+    profile = load_profile(plan.profile)
+    layers = [end - start for start, end in stage_layer_ranges(plan.model.n_layers, plan.n_stages)]
+    compute_rate = min(profile.tokens_per_second(n) for n in layers)
+    m, p = plan.train.microbatches, plan.n_stages
+    ceiling = m / (m + p - 1)
+    runs = [(link, case, plan.train.schedule) for link in plan.links for case in cases]
+    runs += [
+        (link, case, "1f1b") for link in plan.links if link.name == plan.one_f_one_b_on for case in cases
+    ]
+    busy = [plan.train.batch_size * plan.train.seq_len * n / profile.tokens_per_second(n) for n in layers]
+    rows = []
+    for link, case, schedule in runs:
+        row = attempt(_config(case, plan, schedule), case.name, link, shaper)
+        link_bound = row["link_bound_tokens_per_s"] or float("inf")
+        bound = min(compute_rate, link_bound)
+        step_s = sum(row["step_seconds"]) / len(row["step_seconds"])
+        row |= {
+            "compute_bound_tokens_per_s": compute_rate,
+            "physical_bound_tokens_per_s": bound,
+            "binds": "compute" if compute_rate <= link_bound else "link",
+            "efficiency": row["tokens_per_s"] / bound,
+            "schedule": schedule,
+            "schedule_ceiling": ceiling,
+            "stage_compute_utilisation": [b / step_s for b in busy],
+        }
+        rows.append(row)
+    for row in rows:
+        dense = next(
+            r
+            for r in rows
+            if (r["link"], r["schedule"], r["codec"]) == (row["link"], row["schedule"], cases[0].name)
+        )
+        row["speedup_vs_dense"] = row["tokens_per_s"] / dense["tokens_per_s"]
+        row["byte_ratio_vs_dense"] = dense["busiest_uplink_B_per_token"] / row["busiest_uplink_B_per_token"]
+    return {
+        "profile": dataclasses.asdict(profile),
+        "model": dataclasses.asdict(plan.model),
+        "train": dataclasses.asdict(plan.train),
+        "n_stages": plan.n_stages,
+        "paper_tokens_per_s": PAPER_TOKENS_PER_S,
+        "rows": rows,
+    }
