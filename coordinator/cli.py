@@ -16,18 +16,18 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import os
 import secrets
 import signal
 import sqlite3
 import sys
 import tomllib
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvloop
 
 from coordinator.service import CoordinatorServer, CoordinatorService
-from swarm import logs
+from swarm import join_token, logs
 from swarm.config import RunConfig
 from swarm.metrics import Metrics
 from swarm.status import status_document
@@ -46,7 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--config", help="run configuration TOML (default: the embedded small run)")
     serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
     serve.add_argument("--port", type=int, default=0, help="gRPC port (0: a free one)")
-    serve.add_argument("--token", help="join secret (default: $SWARM_TOKEN, else a random one, logged)")
+    join_token.add_arguments(serve)  # none given: a random one, kept in STATE.token (mode 0600)
     serve.add_argument(
         "--state", default="./coordinator.sqlite", help="SQLite state file (resumed if present)"
     )
@@ -181,10 +181,15 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError, tomllib.TOMLDecodeError) as e:
         print(f"swarm-coordinator: cannot load run configuration {args.config}: {e}", file=sys.stderr)
         return 2
-    token = args.token or os.environ.get("SWARM_TOKEN")
-    if not token:
-        token = secrets.token_urlsafe(24)
-        log.warning("no --token or SWARM_TOKEN given; generated join token %s", token)
+    try:
+        token = join_token.resolve(args)
+    except (OSError, ValueError) as e:
+        print(f"swarm-coordinator: cannot read the join token: {e}", file=sys.stderr)
+        return 2
+    if token is None:
+        path = Path(args.state).with_name(Path(args.state).name + ".token")
+        token = join_token.load_or_create(path, lambda: secrets.token_urlsafe(24))
+        log.warning("no join token given: nodes join with the one in %s (mode 0600)", path)
     where = Endpoints(
         host=args.host,
         port=args.port,

@@ -4,8 +4,10 @@ All handlers run on one event loop and never await while they change the members
 so the in-memory plan needs no lock; every change is written through to SQLite
 (:mod:`coordinator.state`) and a restarted coordinator resumes from there.
 
-Calls after ``Join`` are authorised by the node id alone (a random uuid4 only the node
-and the coordinator know). ``Status``, ``GetRunConfig`` and ``FetchArtifact`` are open.
+Calls after ``Join`` carry the node's session credential (:mod:`coordinator.sessions`): a call
+naming a node id without its credential is refused, and only credentialed nodes may follow
+rotations or fetch artifacts (snapshots are model weights). ``Status`` and ``GetRunConfig``
+are open; node ids alone grant nothing.
 
 Epochs. Whenever a stage changes owner (a node joins into a free stage, leaves, or is
 declared dead) or a node reports a broken boundary, a new plan epoch starts: it resumes
@@ -34,6 +36,7 @@ import grpc
 from coordinator.assignment import assign, links_for, stages_of
 from coordinator.export import artifact_store, default_model_dir, trained_model
 from coordinator.rotation import Rejected, RotationCollector
+from coordinator.sessions import Sessions
 from coordinator.state import CheckpointRecord, CoordinatorState, NodeRecord, SavedStatistic
 from coordinator.store import UploadError
 from swarm import model_io
@@ -56,6 +59,7 @@ RESUME_GRACE_S = 10.0
 PROBE_TIMEOUT_S = 2.0  # a node that does not answer a Ping this fast after a failure report is dead
 # Rejection label -> gRPC status: a fenced node must stop, a stale epoch only drops the call.
 _REJECTION_STATUS = {
+    "auth": grpc.StatusCode.UNAUTHENTICATED,
     "unknown_node": grpc.StatusCode.PERMISSION_DENIED,
     "stale_epoch": grpc.StatusCode.ABORTED,
     "not_hosting": grpc.StatusCode.ABORTED,
@@ -99,6 +103,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.run_id, self.auth_token, self.plan_epoch = run.id, run.auth_token, run.plan_epoch
         self.resume_step, self.restarts = run.resume_step, run.restarts
         state_file = Path(state_path)
+        self.sessions = Sessions(state_file.with_name(state_file.name + ".session-key"))
         self.store = artifact_store(state_file, MAX_SNAPSHOT_BYTES)
         self.checkpoints = {(r.step, r.stage): r for r in self.state.checkpoints()}
         self.completed = self.state.completed_step(config.n_stages)
@@ -274,8 +279,27 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         node = self.nodes.get(node_id)
         return node if node is not None and node.alive else None
 
-    def _require_member(self, node_id: str, epoch: int) -> NodeRecord:
-        """The alive node ``node_id`` following the current epoch, else :class:`Rejected`."""
+    def _authenticated(self, node_id: str, context: grpc.aio.ServicerContext) -> None:
+        """:class:`Rejected` unless the call carries ``node_id``'s session credential."""
+        if self.sessions.caller(context.invocation_metadata()) != node_id:
+            raise Rejected("auth", f"no valid session credential for node {node_id[:8]!r}")
+
+    async def _require_session(self, node_id: str, context: grpc.aio.ServicerContext) -> None:
+        """Abort the call (UNAUTHENTICATED, counted) unless it carries ``node_id``'s credential."""
+        try:
+            self._authenticated(node_id, context)
+        except Rejected as e:
+            await self._refuse(context, e)
+
+    async def _require_any_session(self, context: grpc.aio.ServicerContext) -> None:
+        """Abort the call unless it carries the credential of a node in the run."""
+        caller = self.sessions.caller(context.invocation_metadata())
+        if caller is None or caller not in self.nodes:
+            await self._refuse(context, Rejected("auth", "this call needs a node's session credential"))
+
+    def _require_member(self, node_id: str, epoch: int, context: grpc.aio.ServicerContext) -> NodeRecord:
+        """The alive, authenticated node ``node_id`` following the current epoch, else :class:`Rejected`."""
+        self._authenticated(node_id, context)
         node = self._alive_node(node_id)
         if node is None:
             raise Rejected("unknown_node", f"node {node_id!r} is not in the run (declared dead or replaced)")
@@ -285,8 +309,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             )
         return node
 
-    def _require_host(self, node_id: str, stage: int, epoch: int) -> None:
-        if stage not in self._require_member(node_id, epoch).stages:
+    def _require_host(self, node_id: str, stage: int, epoch: int, context: grpc.aio.ServicerContext) -> None:
+        if stage not in self._require_member(node_id, epoch, context).stages:
             raise Rejected("not_hosting", f"node {node_id} does not host stage {stage}")
 
     async def _refuse(self, context: grpc.aio.ServicerContext, e: Rejected) -> NoReturn:
@@ -336,6 +360,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             subspace_version=self.rotation.version,
             heartbeat_interval_ms=self.heartbeat_interval_ms,
             auth_token=self.auth_token,
+            session=self.sessions.issue(node.id),
             dht_initial_peers=self.dht_peers,
             plan=self._plan(node),
             run_complete=self.run_complete,
@@ -362,6 +387,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if node is None:
             self.metrics.rejected.labels(reason="unknown_node").inc()
             return coordinator_pb2.HeartbeatReply(known=False, plan_epoch=self.plan_epoch)
+        await self._require_session(request.node_id, context)
         self.last_seen[node.id] = time.monotonic()
         self.heartbeats[node.id] = request
         reply = coordinator_pb2.HeartbeatReply(
@@ -376,6 +402,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return reply
 
     async def Leave(self, request, context):
+        await self._require_session(request.node_id, context)
         node = self._alive_node(request.node_id)
         self.leaving.discard(request.node_id)
         if node is not None:
@@ -386,7 +413,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def ReportFailure(self, request, context):
         try:
-            self._require_member(request.node_id, request.plan_epoch)
+            self._require_member(request.node_id, request.plan_epoch, context)
         except Rejected as e:
             if e.label != "stale_epoch":  # a failure of an old epoch is already handled
                 await self._refuse(context, e)
@@ -433,7 +460,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def RequestCut(self, request, context):
         try:
-            self._require_member(request.node_id, request.plan_epoch)
+            self._require_member(request.node_id, request.plan_epoch, context)
         except Rejected as e:
             await self._refuse(context, e)
         self.cut_requests += 1
@@ -446,6 +473,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         )
 
     async def FetchArtifact(self, request, context) -> AsyncIterator[coordinator_pb2.ArtifactChunk]:
+        await self._require_any_session(context)
         data = self.artifacts.get(request.digest)
         with contextlib.suppress(PayloadError):  # a malformed digest is simply not found
             if data is None and self.store.complete(request.digest):
@@ -469,7 +497,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         async for chunk in request_iterator:
             try:
                 if not key:
-                    self._require_member(chunk.node_id, self.plan_epoch)
+                    self._require_member(chunk.node_id, self.plan_epoch, context)
                     key = chunk.digest
                 elif chunk.digest != key:
                     raise UploadError("one upload carries one artifact")
@@ -484,7 +512,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def ArtifactStatus(self, request, context) -> coordinator_pb2.ArtifactStatusReply:
         try:
-            self._require_member(request.node_id, self.plan_epoch)
+            self._require_member(request.node_id, self.plan_epoch, context)
             held, complete = self.store.held(request.digest), self.store.complete(request.digest)
         except Rejected as e:
             await self._refuse(context, e)
@@ -495,7 +523,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def ReportCheckpoint(self, request, context) -> coordinator_pb2.CheckpointAck:
         c = request.checkpoint
         try:
-            self._require_host(request.node_id, c.stage, request.plan_epoch)
+            self._require_host(request.node_id, c.stage, request.plan_epoch, context)
             if not self.store.complete(c.digest) or self.store.held(c.digest) != c.size:
                 raise Rejected("malformed", f"snapshot {c.digest[:12]} of {c.size} bytes is not uploaded")
         except Rejected as e:
@@ -526,6 +554,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         log.info("trained model (step %d) written to %s", manifest["step"], self.model_dir)
 
     async def WatchRotations(self, request, context) -> AsyncIterator[common_pb2.Rotation]:
+        await self._require_any_session(context)
         queue: asyncio.Queue[SubspaceRotation | None] = asyncio.Queue()
         self.watchers.add(queue)
         try:
@@ -557,7 +586,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             request.step, request.boundary, request.subspace_version, request.gram_times_basis_f64_le
         )
         try:
-            self._require_host(request.node_id, request.stage, request.plan_epoch)
+            self._require_host(request.node_id, request.stage, request.plan_epoch, context)
             if request.boundary != request.stage - 1:
                 raise Rejected("malformed", f"stage {request.stage} reports boundary {request.boundary}")
             if self._already_rotated(request.step, request.subspace_version):
@@ -577,7 +606,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def ReportStep(self, request, context):
         try:
-            self._require_host(request.node_id, request.stage, request.plan_epoch)
+            self._require_host(request.node_id, request.stage, request.plan_epoch, context)
         except Rejected as e:
             await self._refuse(context, e)
         loss = request.loss if request.HasField("loss") else None

@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import signal
 import sys
 from pathlib import Path
@@ -17,7 +16,7 @@ import uvloop
 from node.coordinator_client import CoordinatorUnreachable, Fenced
 from node.daemon import NodeDaemon
 from node.settings import NodeSettings, Timeouts
-from swarm import logs
+from swarm import join_token, logs
 from swarm.inference import BOUNDARIES, FORMATS
 from swarm.logs import say
 from swarm.transport.shaper import LinkProfile
@@ -28,9 +27,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("join", help="join a run and train until it ends")
     p.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator")
-    p.add_argument(
-        "--token", default=os.environ.get("SWARM_TOKEN", ""), help="join token (or env SWARM_TOKEN)"
-    )
+    join_token.add_arguments(p)
     p.add_argument(
         "--listen",
         default="127.0.0.1:0",
@@ -201,9 +198,17 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(args.log_format, logging.WARNING)
     if args.command == "serve":
         return serve_stage(args)
+    try:
+        token = join_token.resolve(args)
+    except (OSError, ValueError) as e:
+        print(f"swarm-node: cannot read the join token: {e}", file=sys.stderr)
+        return 2
+    if token is None:
+        print(f"swarm-node: no join token: set ${join_token.ENV} or --token-file", file=sys.stderr)
+        return 2
     settings = NodeSettings(
         coordinator=args.coordinator,
-        token=args.token,
+        token=token,
         listen=args.listen,
         announce=args.announce,
         device=args.device,

@@ -30,6 +30,7 @@ from swarm.metrics import Metrics
 from swarm.subspace import SubspaceRotation
 from swarm.transport.channel import insecure_channel
 from swarm.transport.frames import rotation_from_proto
+from swarm.transport.session import session_metadata
 
 log = logging.getLogger(__name__)
 
@@ -54,6 +55,7 @@ class CoordinatorClient:
         self.channel = insecure_channel(address, timeouts.keepalive)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.node_id = ""
+        self.credentials: tuple[tuple[str, str], ...] = ()  # session metadata on every call after Join
         self.plan: cpb.Plan | None = None
         self.phase = cpb.NODE_PHASE_JOINING
         self.completed_step = -1
@@ -73,7 +75,11 @@ class CoordinatorClient:
     async def call(self, name: str, request, retry: bool = True):
         """``stub.<name>(request)``, retried with backoff while the coordinator is unreachable."""
         method = getattr(self.stub, name)
-        return await self._retrying(name, lambda: method(request, timeout=self.timeouts.rpc_s), retry)
+
+        def attempt():
+            return method(request, timeout=self.timeouts.rpc_s, metadata=self.credentials)
+
+        return await self._retrying(name, attempt, retry)
 
     async def _retrying(
         self,
@@ -121,6 +127,7 @@ class CoordinatorClient:
     async def join(self, request: cpb.JoinRequest) -> cpb.JoinReply:
         reply = await self.call("Join", request)
         self.node_id, self.plan, self.run_complete = reply.node_id, reply.plan, reply.run_complete
+        self.credentials = session_metadata(reply.node_id, reply.session)
         return reply
 
     # -- background tasks ---------------------------------------------------------------------
@@ -238,7 +245,7 @@ class CoordinatorClient:
             after = max(self.rotations, default=0)
             request = cpb.WatchRotationsRequest(node_id=self.node_id, after_version=after)
             try:
-                async for pb in self.stub.WatchRotations(request):
+                async for pb in self.stub.WatchRotations(request, metadata=self.credentials):
                     rotation = rotation_from_proto(pb)
                     self.rotations[rotation.version] = rotation
                     self._rotation_arrived.set()
@@ -270,7 +277,8 @@ class CoordinatorClient:
         async def attempt() -> None:
             nonlocal received
             request = cpb.ArtifactRequest(digest=key, offset=received)
-            async for chunk in self.stub.FetchArtifact(request, timeout=max(self.timeouts.rpc_s, 120)):
+            timeout = max(self.timeouts.rpc_s, 120)
+            async for chunk in self.stub.FetchArtifact(request, timeout=timeout, metadata=self.credentials):
                 if chunk.offset != received:
                     raise RuntimeError(f"artifact chunk at offset {chunk.offset}, expected {received}")
                 parts.append(chunk.data)
@@ -290,7 +298,9 @@ class CoordinatorClient:
         async def attempt() -> None:
             nonlocal held
             status = await self.stub.ArtifactStatus(
-                cpb.ArtifactRequest(digest=key, node_id=self.node_id), timeout=self.timeouts.rpc_s
+                cpb.ArtifactRequest(digest=key, node_id=self.node_id),
+                timeout=self.timeouts.rpc_s,
+                metadata=self.credentials,
             )
             held = status.held
             if status.complete:
@@ -305,7 +315,9 @@ class CoordinatorClient:
                 )
                 for offset in range(status.held, len(data), chunk_bytes)
             ]
-            reply = await self.stub.UploadArtifact(iter(chunks), timeout=max(self.timeouts.rpc_s, 600))
+            reply = await self.stub.UploadArtifact(
+                iter(chunks), timeout=max(self.timeouts.rpc_s, 600), metadata=self.credentials
+            )
             if not reply.complete:
                 raise RuntimeError(f"upload of {key[:12]} ended at {reply.held} of {len(data)} bytes")
             self.metrics.checkpoint_bytes.inc(len(data) - status.held)

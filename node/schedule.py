@@ -88,18 +88,29 @@ class StageRunner:
     def deliver_from_upstream(self, item) -> None:
         if isinstance(item, ActivationFrame):
             self._count_dense(self.index - 1, "forward", "received", item)
-            self._activations.put_nowait(item)
-            self._show_depth(self._activations)
+            self._enqueue(self._activations, item, self.index - 1)
         else:
-            self._syncs_up.put_nowait(item)
+            self._enqueue(self._syncs_up, item, self.index - 1)
 
     def deliver_from_downstream(self, item) -> None:
         if isinstance(item, GradientFrame):
             self._count_dense(self.index, "backward", "received", item)
-            self._gradients.put_nowait(item)
-            self._show_depth(self._gradients)
+            self._enqueue(self._gradients, item, self.index)
         else:
-            self._syncs_down.put_nowait(item)
+            self._enqueue(self._syncs_down, item, self.index)
+
+    def _enqueue(self, queue: asyncio.Queue, item, boundary: int) -> None:
+        """Queue a delivered item. An honest neighbour is at most a step ahead (M frames, a few
+        syncs); one that sends more is flooding: the step fails and the sender is reported."""
+        limit = 2 * self.worker.config.train.microbatches + 2
+        if queue.qsize() >= limit:
+            self.metrics.rejected.labels("flood").inc()
+            while not queue.empty():  # dropped: the step fails at once, not after the backlog
+                queue.get_nowait()
+            self.fail(BadFrameError(f"boundary {boundary}: the peer sent over {limit} items ahead", boundary))
+            return
+        queue.put_nowait(item)
+        self._show_depth(queue)
 
     def _show_depth(self, queue: asyncio.Queue) -> None:
         """``swarm_stream_queue_depth``: received frames of a boundary not yet taken for compute."""

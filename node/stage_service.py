@@ -10,6 +10,7 @@ peer closes the stream, the node stops, or the epoch's links are torn down.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Protocol
 
@@ -30,6 +31,7 @@ from swarm.transport.frames import PROTOCOL_VERSION
 from swarm.transport.shaper import UNSHAPED, LinkProfile
 
 log = logging.getLogger(__name__)
+HELLO_S = 10.0  # a stream whose Hello has not arrived by then is dropped (it holds a server slot)
 
 
 class Acceptor(Protocol):
@@ -57,7 +59,12 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.node_id = ""
 
     async def Exchange(self, request_iterator, context: grpc.aio.ServicerContext):
-        first = await context.read()
+        try:
+            first = await asyncio.wait_for(context.read(), HELLO_S)
+        except TimeoutError:
+            self.metrics.rejected.labels("hello_timeout").inc()
+            log.warning("dropped a boundary stream from %s: no Hello within %.0fs", context.peer(), HELLO_S)
+            return
         acceptor = self.acceptor
         problem = _REFUSE_ALL
         if acceptor is not None:

@@ -202,8 +202,6 @@ def up(
         coord_args += ["--config", str(run / "run.toml"), "--port", "0", "--state", str(state_path)]
         coord_metrics = -1 if metrics_base_port is None else metrics_base_port
         coord_args += [
-            "--token",
-            token,
             "--metrics-port",
             str(coord_metrics),
             "--dead-after",
@@ -211,7 +209,8 @@ def up(
         ]
         coord_args += ["--host", coordinator_host] if coordinator_host else []
         coord_args += [] if use_dht else ["--no-dht"]
-        coord = group.start(coord_args, run / "coordinator.err")
+        secret = {"SWARM_TOKEN": token}  # in the environment: a command line is visible in ps
+        coord = group.start(coord_args, run / "coordinator.err", env=secret)
         tee(coord, run / "coordinator.log", coord_lines)
         address = wait_for_line(coord_lines, LISTENING, coord, 60).group(1)
         status_address = address
@@ -226,7 +225,7 @@ def up(
 
         def start_node(i: int) -> None:
             args = [*(launch_prefix(i) if launch_prefix else []), py, "-m", "node.cli", "join"]
-            args += ["--coordinator", address, "--token", token]
+            args += ["--coordinator", address]
             args += ["--listen", f"{node_host(i)}:0"] if node_host else []
             args += [
                 "--stages",
@@ -247,7 +246,7 @@ def up(
             args += [] if use_dht else ["--no-dht"]
             if metrics_base_port is not None:
                 args += ["--metrics-port", str(metrics_base_port + 1 + i)]
-            proc = group.start(args, run / f"node{i}.err")
+            proc = group.start(args, run / f"node{i}.err", env=secret)
             tee(proc, run / f"node{i}.log", [])
             node_procs.append(proc)
             logs.append(run / f"node{i}.log")

@@ -18,8 +18,10 @@ from typing import Any
 import grpc
 import pytest
 
+from coordinator.sessions import Sessions
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
 from swarm.config import MODEL_PRESETS, CheckpointConfig, DataConfig, RunConfig, TrainConfig
+from swarm.transport.session import session_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "node-test-token"
@@ -29,10 +31,12 @@ CORPUS = "Shall I compare thee to a summer's day? Thou art more lovely and more 
 class Proc:
     """A child process whose stdout lines are collected on a thread (stderr goes to a file)."""
 
-    def __init__(self, args: list[str], log: Path, **popen: Any):
+    def __init__(self, args: list[str], log: Path, without_token: bool = False, **popen: Any):
         self.log = log
         self.lines: list[str] = []
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", SWARM_TOKEN=TOKEN)  # the join token, off argv
+        if without_token:
+            del env["SWARM_TOKEN"]
         with open(log, "w") as err:
             self.p = subprocess.Popen(
                 args, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True, env=env, **popen
@@ -130,7 +134,7 @@ def coordinator(
     path = folder / "run.toml"
     path.write_text(config.to_toml())
     args = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(path)]
-    args += ["--port", str(port), "--state", str(folder / "state.sqlite"), "--token", TOKEN]
+    args += ["--port", str(port), "--state", str(folder / "state.sqlite")]
     args += ["--no-dht", "--metrics-port", "-1", *flags]
     procs.append(Proc(args, folder / f"{name}.err"))
     return procs[-1].wait_for(r"coordinator listening on (\S+)", 60).group(1)
@@ -145,7 +149,7 @@ def node(
     runner: Sequence[str] = ("node.cli",),
 ) -> Proc:
     """Start ``swarm-node join`` (``runner``: the module and its leading arguments, e.g. a hostile node)."""
-    args = [sys.executable, "-m", *runner, "join", "--coordinator", address, "--token", TOKEN]
+    args = [sys.executable, "-m", *runner, "join", "--coordinator", address]
     args += ["--data-dir", str(folder / name), "--device", "cpu", "--no-dht", "--name", name]
     args += ["--connect-timeout", "30", *flags]
     procs.append(Proc(args, folder / f"{name}.err"))
@@ -158,11 +162,14 @@ def status(address: str) -> coordinator_pb2.StatusReply:
         return stub.Status(coordinator_pb2.StatusRequest(), timeout=5)
 
 
-def plan_of(address: str, node_id: str) -> list[coordinator_pb2.BoundaryLink]:
-    """The dial plan the coordinator gives ``node_id`` (what its own heartbeat would return)."""
+def plan_of(address: str, folder: Path, node_id: str) -> list[coordinator_pb2.BoundaryLink]:
+    """The dial plan the coordinator (state in ``folder``) gives ``node_id``: what its own heartbeat
+    returns, asked with the credential the operator can derive from the coordinator's key file."""
+    session = Sessions(folder / "state.sqlite.session-key").issue(node_id)
     with grpc.insecure_channel(address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
-        reply = stub.Heartbeat(coordinator_pb2.HeartbeatRequest(node_id=node_id), timeout=5)
+        request = coordinator_pb2.HeartbeatRequest(node_id=node_id)
+        reply = stub.Heartbeat(request, timeout=5, metadata=session_metadata(node_id, session))
         return list(reply.plan.links)
 
 

@@ -29,6 +29,7 @@ from swarm.config import RotationConfig, RunConfig, config_hash
 from swarm.metrics import Metrics
 from swarm.subspace import initial_artifacts, next_rotation
 from swarm.transport.frames import PROTOCOL_VERSION, rotation_from_proto
+from swarm.transport.session import session_metadata
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -56,6 +57,7 @@ class Harness:
     service: CoordinatorService
     server: CoordinatorServer
     stub: coordinator_pb2_grpc.CoordinatorStub
+    credentials: NodeCredentials
 
     def sample(self, name: str, labels: dict[str, str] | None = None) -> float | None:
         return self.service.metrics.registry.get_sample_value(name, labels or {})
@@ -74,7 +76,9 @@ class Harness:
             max_stages=max_stages,
             device="cpu",
         )
-        return await self.stub.Join(request, timeout=RPC_TIMEOUT)
+        reply = await self.stub.Join(request, timeout=RPC_TIMEOUT)
+        self.credentials.sessions[reply.node_id] = reply.session
+        return reply
 
     async def heartbeat(
         self, node_id: str, plan_epoch: int = 0, phase: int = coordinator_pb2.NODE_PHASE_UNSPECIFIED
@@ -125,17 +129,62 @@ class Harness:
         return await self.stub.Status(coordinator_pb2.StatusRequest(), timeout=RPC_TIMEOUT)
 
 
+class NodeCredentials:
+    """Does on the test channel what a node's client does: sends the session a node's Join returned
+    (``Harness.join`` records it) with every call naming that node (calls naming none: the first
+    node's)."""
+
+    def __init__(self):
+        self.sessions: dict[str, str] = {}
+
+    def interceptors(self) -> list[grpc.aio.ClientInterceptor]:
+        """One interceptor per call shape (a channel files each under one shape only)."""
+        outer = self
+
+        class Unary(grpc.aio.UnaryUnaryClientInterceptor):
+            async def intercept_unary_unary(self, continuation, details, request):
+                return await continuation(outer.attach(details, request), request)
+
+        class Streaming(grpc.aio.UnaryStreamClientInterceptor):
+            async def intercept_unary_stream(self, continuation, details, request):
+                return await continuation(outer.attach(details, request), request)
+
+        class Upload(grpc.aio.StreamUnaryClientInterceptor):
+            async def intercept_stream_unary(self, continuation, details, request_iterator):
+                chunks = list(request_iterator)  # the tests upload lists: the first names the node
+                first = chunks[0] if chunks else None
+                return await continuation(outer.attach(details, first), iter(chunks))
+
+        return [Unary(), Streaming(), Upload()]
+
+    def attach(self, details, request):
+        if details.metadata:  # the test set its own (an impostor's) credentials
+            return details
+        node_id = getattr(request, "node_id", "") or next(iter(self.sessions), "")
+        if node_id not in self.sessions:
+            return details
+        return details._replace(metadata=session_metadata(node_id, self.sessions[node_id]))
+
+
 @contextlib.asynccontextmanager
 async def coordinator(
-    state: Path, config: RunConfig | None = None, dead_after_s: float = 15.0
+    state: Path,
+    config: RunConfig | None = None,
+    dead_after_s: float = 15.0,
+    credentials: NodeCredentials | None = None,
 ) -> AsyncIterator[Harness]:
+    """A coordinator on ``state`` and a channel to it; ``credentials``: sessions nodes already hold
+    (from a previous coordinator on the same state)."""
+    credentials = credentials or NodeCredentials()
     service = CoordinatorService(
         config or tiny_config(), TOKEN, state, None, Metrics("coordinator"), PEERS, dead_after_s=dead_after_s
     )
     async with CoordinatorServer(service) as server:
-        channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+        channel = grpc.aio.insecure_channel(
+            f"127.0.0.1:{server.port}", interceptors=credentials.interceptors()
+        )
         try:
-            yield Harness(service, server, coordinator_pb2_grpc.CoordinatorStub(channel))
+            yield Harness(service, server, coordinator_pb2_grpc.CoordinatorStub(channel), credentials)
         finally:
             await channel.close()
 
@@ -441,7 +490,14 @@ def test_dead_left_and_unknown_nodes_are_denied(tmp_path):
             stat = torch.zeros(h.service.config.model.d_model, h.service.config.model.subspace_rank)
             blob = b"snapshot" * 100
             for node_id in (b.node_id, c.node_id, "nobody"):
-                before = h.rejected("unknown_node")
+                # b and c hold credentials but are out of the run; "nobody" has none
+                label = "auth" if node_id == "nobody" else "unknown_node"
+                code = (
+                    grpc.StatusCode.UNAUTHENTICATED
+                    if node_id == "nobody"
+                    else grpc.StatusCode.PERMISSION_DENIED
+                )
+                before = h.rejected(label)
                 assert (await h.heartbeat(node_id, epoch)).known is False
                 record = coordinator_pb2.StageCheckpoint(stage=1, step=0, digest=digest(blob), size=len(blob))
                 calls = [
@@ -458,10 +514,11 @@ def test_dead_left_and_unknown_nodes_are_denied(tmp_path):
                     h.stub.RequestCut(coordinator_pb2.CutRequest(node_id=node_id, plan_epoch=epoch)),
                 ]
                 for call in calls:
-                    assert await refused(call) == grpc.StatusCode.PERMISSION_DENIED
+                    assert await refused(call) == code
                 ack = await h.report(statistic(node_id, 1, 1, stat, epoch=epoch))
-                assert not ack.accepted and "not in the run" in ack.reason
-                assert h.rejected("unknown_node") == before + 8
+                reason = "no valid session credential" if node_id == "nobody" else "not in the run"
+                assert not ack.accepted and reason in ack.reason
+                assert h.rejected(label) == before + (7 if node_id == "nobody" else 8)
             # Nothing of theirs was stored, and the plan did not move.
             assert not (await h.held(a.node_id, digest(blob))).held
             assert (await h.status()).plan_epoch == epoch and h.service.cut_requests == 0
@@ -589,10 +646,11 @@ def test_checkpoints_form_cuts_and_a_new_epoch_restores_from_the_latest(tmp_path
             # A standby learns the resume step but restores nothing.
             standby = await h.join("standby")
             assert standby.plan.resume_step == 5 and not standby.plan.restore and not standby.plan.stages
-            return a.node_id, b.node_id, epoch + 1, restores
+            return a.node_id, b.node_id, epoch + 1, restores, h.credentials
 
-    async def second_life(a: str, b: str, epoch: int, restores: list) -> None:
-        async with coordinator(state, config) as h:
+    async def second_life(a: str, b: str, epoch: int, restores: list, credentials) -> None:
+        # the nodes keep the sessions the first coordinator issued; the restarted one accepts them
+        async with coordinator(state, config, credentials=credentials) as h:
             status = await h.status()
             assert (status.plan_epoch, status.resume_step, status.latest_cut) == (epoch, 5, 5)
             assert status.epochs_restarted == 1
@@ -727,7 +785,9 @@ def test_restart_resumes_run_secret_nodes_and_rotations(tmp_path):
         return a, b
 
     async def second_life(a: coordinator_pb2.JoinReply, b: coordinator_pb2.JoinReply) -> None:
-        async with coordinator(state, config) as h:
+        credentials = NodeCredentials()  # the nodes keep the sessions the first coordinator issued
+        credentials.sessions = {a.node_id: a.session, b.node_id: b.session}
+        async with coordinator(state, config, credentials=credentials) as h:
             assert h.service.run_id == a.run_id
             assert (await h.heartbeat(a.node_id)).known and (await h.heartbeat(b.node_id)).known
             late = await h.join("late")
@@ -794,3 +854,53 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_node_ids_alone_grant_nothing(tmp_path):
+    """An outsider reads every node id from the open Status RPC and calls as those nodes (the
+    attack that once steered a run's rotation), and a member calls with its own credential but
+    another node's id: every call is refused UNAUTHENTICATED, counted, and changes nothing."""
+    config = rotating_config(n_stages=2, interval=2)
+
+    async def scenario() -> None:
+        async with coordinator(tmp_path / "state.sqlite", config) as h:
+            a, b = await h.join("a"), await h.join("b")
+            ids = [n.node_id for n in (await h.status()).nodes]
+            assert sorted(ids) == sorted([a.node_id, b.node_id])  # Status shows them: not secrets
+            epoch = (await h.status()).plan_epoch
+            m = h.service.config.model
+            stat = statistic(b.node_id, 1, 1, torch.ones(m.d_model, m.subspace_rank), epoch=epoch)
+            impostor = session_metadata(a.node_id, a.session)  # a's own credential, naming b
+            outsider = (("x-test", "outsider"),)  # metadata of its own: the harness adds no session
+            for metadata in (outsider, impostor):
+                kw = {"timeout": RPC_TIMEOUT, "metadata": metadata}
+                calls = [
+                    h.stub.Heartbeat(coordinator_pb2.HeartbeatRequest(node_id=b.node_id), **kw),
+                    h.stub.Leave(coordinator_pb2.LeaveRequest(node_id=b.node_id), **kw),
+                    h.stub.ReportStep(
+                        coordinator_pb2.StepReport(node_id=b.node_id, stage=1, plan_epoch=epoch), **kw
+                    ),
+                    h.stub.RequestCut(coordinator_pb2.CutRequest(node_id=b.node_id, plan_epoch=epoch), **kw),
+                    h.stub.ReportFailure(
+                        coordinator_pb2.FailureReport(node_id=b.node_id, plan_epoch=epoch), **kw
+                    ),
+                ]
+                for call in calls:
+                    assert await refused(call) == grpc.StatusCode.UNAUTHENTICATED
+                ack = await h.stub.ReportStatistics(stat, **kw)
+                assert not ack.accepted and "session credential" in ack.reason
+            kw = {"timeout": RPC_TIMEOUT, "metadata": outsider}
+            watch = h.stub.WatchRotations(coordinator_pb2.WatchRotationsRequest(after_version=0), **kw)
+            assert await refused(watch.read()) == grpc.StatusCode.UNAUTHENTICATED
+            fetch = h.stub.FetchArtifact(coordinator_pb2.ArtifactRequest(digest=a.embedding_digest), **kw)
+            assert await refused(fetch.read()) == grpc.StatusCode.UNAUTHENTICATED
+            assert h.rejected("auth") == 2 * 6 + 2
+            # Nothing moved: both nodes alive on the same epoch, no step, statistic or cut recorded.
+            status = await h.status()
+            assert status.plan_epoch == epoch and all(n.alive for n in status.nodes)
+            assert not status.steps and h.service.cut_requests == 0
+            assert h.service.state.statistics() == []
+            # b itself, with its own credential, is heard.
+            assert (await h.heartbeat(b.node_id, epoch)).known
+
+    run(scenario())

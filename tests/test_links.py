@@ -13,6 +13,7 @@ import grpc
 import pytest
 import torch
 
+from node import stage_service
 from node.links import BadFrameError, LinkError, LocalLink, PlannedPeer, RunIdentity, StageLink, dial, hello
 from node.schedule import StageRunner
 from node.stage_service import StageService
@@ -149,6 +150,22 @@ def test_hello_from_another_epoch_or_unplanned_node_is_refused(identity: RunIden
             finally:
                 await channel.close()
             assert rejections(server.metrics) == {"plan_epoch": 1.0}
+
+    run(main())
+
+
+def test_a_stream_without_a_hello_is_dropped(monkeypatch):
+    monkeypatch.setattr(stage_service, "HELLO_S", 0.3)
+
+    async def main() -> None:
+        async with stage_server(refuse_all) as server:
+            channel = insecure_channel(server.address)
+            try:
+                call = stage_pb2_grpc.StageStub(channel).Exchange()
+                assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF  # the server ended it
+            finally:
+                await channel.close()
+            assert rejections(server.metrics) == {"hello_timeout": 1.0}
 
     run(main())
 
@@ -312,6 +329,27 @@ def test_a_bad_frame_fails_the_step_as_the_senders_fault(attack):
 
     run(main())
     assert all(torch.equal(a, b) for a, b in zip(workers[1].parameters(), before, strict=True))
+
+
+def test_a_flooding_peer_fails_the_step_as_the_senders_fault():
+    """Frames far beyond a step's worth, before the receiver takes any: bounded, counted, and the
+    receiver's step fails with a BadFrameError naming the boundary."""
+    workers = LocalPipeline(CONFIG).workers
+    frame = workers[0].forward(0, 0, random_batch(CONFIG)[:2])
+
+    async def main() -> None:
+        async with connected_pair(workers) as pair:
+            for _ in range(4 * CONFIG.train.microbatches + 4):
+                await pair.up.downstream.send(frame)
+            deadline = asyncio.get_running_loop().time() + 5
+            while rejected(pair.down.metrics, "flood") == 0:
+                assert asyncio.get_running_loop().time() < deadline, "the flood was never noticed"
+                await asyncio.sleep(0.01)
+            with pytest.raises(BadFrameError, match="boundary 0: the peer sent over"):
+                await pair.down.run_step(0)
+            assert pair.down._activations.qsize() <= 2 * CONFIG.train.microbatches + 3
+
+    run(main())
 
 
 def test_malformed_messages_are_answered_counted_and_survived():

@@ -26,6 +26,7 @@ from tests.procs import (
     plan_of,
     processes,
     status,
+    tiny_run,
     wait_for_nodes,
 )
 
@@ -63,7 +64,7 @@ def dial_only_run(tmp_path_factory) -> Iterator[DialOnlyRun]:
         wait_for_nodes(address, 1)
         reachable = node(procs, folder, "reachable", address, "--metrics-port", "0", "--linger-s", "60")
         nodes = {n.node_name: n for n in wait_for_nodes(address, 2).nodes}
-        plans = {name: plan_of(address, n.node_id) for name, n in nodes.items()}
+        plans = {name: plan_of(address, folder, n.node_id) for name, n in nodes.items()}
         port = int(reachable.wait_for(r"node metrics on 127\.0\.0\.1:(\d+)", 60).group(1))
         reachable.wait_for(r"finished \d+ steps", 60)
         metrics = scrape(port)
@@ -179,3 +180,41 @@ def test_swarm_up_stops_every_process_on_sigint(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(up.p.pid, signal.SIGKILL)  # the whole session: swarm up and its children
         up.stop()
+
+
+def test_join_tokens_stay_off_command_lines_and_out_of_logs(tmp_path):
+    """No token given: the coordinator creates one in a 0600 file next to its state (kept across
+    restarts) and logs only the path; a node reads it with --token-file; a token on argv works
+    but warns; a node with no token at all stops with a clear error."""
+    config = tiny_run(tmp_path, 2)
+    (tmp_path / "run.toml").write_text(config.to_toml())
+    state = tmp_path / "state.sqlite"
+    args = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(tmp_path / "run.toml")]
+    args += ["--port", "0", "--state", str(state), "--no-dht", "--metrics-port", "-1"]
+    with processes() as procs:
+        procs.append(Proc(args, tmp_path / "coordinator.err", without_token=True))
+        address = procs[-1].wait_for(r"coordinator listening on (\S+)", 60).group(1)
+        token_file = state.with_name("state.sqlite.token")
+        token = token_file.read_text().strip()
+        assert len(token) >= 24 and token_file.stat().st_mode & 0o777 == 0o600
+        join = [sys.executable, "-m", "node.cli", "join", "--coordinator", address, "--no-dht"]
+        join += ["--device", "cpu", "--connect-timeout", "30"]
+        by_file = Proc(
+            [*join, "--data-dir", str(tmp_path / "a"), "--token-file", str(token_file)],
+            tmp_path / "a.err",
+            without_token=True,
+        )
+        on_argv = Proc(
+            [*join, "--data-dir", str(tmp_path / "b"), "--token", token],
+            tmp_path / "b.err",
+            without_token=True,
+        )
+        missing = Proc([*join, "--data-dir", str(tmp_path / "c")], tmp_path / "c.err", without_token=True)
+        procs += [by_file, on_argv, missing]
+        assert missing.wait(30) == 2 and "no join token" in missing.stderr()
+        assert by_file.wait(120) == 0, by_file.output()
+        assert on_argv.wait(120) == 0, on_argv.output()
+        assert "visible to every local user" in on_argv.stderr()
+        assert "visible to every local user" not in by_file.stderr()
+        logs = procs[0].stdout() + procs[0].stderr() + by_file.output() + on_argv.stdout()
+        assert token not in logs and str(token_file) in procs[0].stderr()

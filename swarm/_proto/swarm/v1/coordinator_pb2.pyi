@@ -93,7 +93,7 @@ class Plan(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., resume_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("node_id", "run_id", "config_json", "config_hash", "embedding_digest", "embedding_size", "subspace_version", "heartbeat_interval_ms", "auth_token", "dht_initial_peers", "plan", "run_complete")
+    __slots__ = ("node_id", "run_id", "config_json", "config_hash", "embedding_digest", "embedding_size", "subspace_version", "heartbeat_interval_ms", "auth_token", "dht_initial_peers", "plan", "run_complete", "session")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -106,6 +106,7 @@ class JoinReply(_message.Message):
     DHT_INITIAL_PEERS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     config_json: str
@@ -118,7 +119,8 @@ class JoinReply(_message.Message):
     dht_initial_peers: _containers.RepeatedScalarFieldContainer[str]
     plan: Plan
     run_complete: bool
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ..., embedding_digest: _Optional[str] = ..., embedding_size: _Optional[int] = ..., subspace_version: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., auth_token: _Optional[str] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ...) -> None: ...
+    session: str
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ..., embedding_digest: _Optional[str] = ..., embedding_size: _Optional[int] = ..., subspace_version: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., auth_token: _Optional[str] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., session: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "step", "phase", "plan_epoch", "tokens_per_second", "subspace_version")

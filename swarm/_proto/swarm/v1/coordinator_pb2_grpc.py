@@ -27,7 +27,12 @@ if _version_not_supported:
 
 
 class CoordinatorStub:
-    """Missing associated documentation comment in .proto file."""
+    """Every call a node makes after Join carries its session credential as gRPC metadata:
+    "swarm-node" (its node id) and "swarm-session" (JoinReply.session). The coordinator refuses
+    a call that names a node id without that node's credential (UNAUTHENTICATED), and
+    WatchRotations / FetchArtifact from anyone without a valid one. Join, GetRunConfig and Status
+    need none; Status shows nothing that grants access.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -108,7 +113,12 @@ class CoordinatorStub:
 
 
 class CoordinatorServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Every call a node makes after Join carries its session credential as gRPC metadata:
+    "swarm-node" (its node id) and "swarm-session" (JoinReply.session). The coordinator refuses
+    a call that names a node id without that node's credential (UNAUTHENTICATED), and
+    WatchRotations / FetchArtifact from anyone without a valid one. Join, GetRunConfig and Status
+    need none; Status shows nothing that grants access.
+    """
 
     def Join(self, request, context):
         """Admit a node to the run and assign it pipeline stages.
@@ -290,7 +300,12 @@ def add_CoordinatorServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class Coordinator:
-    """Missing associated documentation comment in .proto file."""
+    """Every call a node makes after Join carries its session credential as gRPC metadata:
+    "swarm-node" (its node id) and "swarm-session" (JoinReply.session). The coordinator refuses
+    a call that names a node id without that node's credential (UNAUTHENTICATED), and
+    WatchRotations / FetchArtifact from anyone without a valid one. Join, GetRunConfig and Status
+    need none; Status shows nothing that grants access.
+    """
 
     @staticmethod
     def Join(request,
