@@ -181,11 +181,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError, tomllib.TOMLDecodeError) as e:
         print(f"swarm-coordinator: cannot load run configuration {args.config}: {e}", file=sys.stderr)
         return 2
-    try:
-        token = join_token.resolve(args)
-    except (OSError, ValueError) as e:
-        print(f"swarm-coordinator: cannot read the join token: {e}", file=sys.stderr)
-        return 2
+    token = join_token.from_args(args, "swarm-coordinator")
     if token is None:
         path = Path(args.state).with_name(Path(args.state).name + ".token")
         token = join_token.load_or_create(path, lambda: secrets.token_urlsafe(24))

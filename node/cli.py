@@ -198,11 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(args.log_format, logging.WARNING)
     if args.command == "serve":
         return serve_stage(args)
-    try:
-        token = join_token.resolve(args)
-    except (OSError, ValueError) as e:
-        print(f"swarm-node: cannot read the join token: {e}", file=sys.stderr)
-        return 2
+    token = join_token.from_args(args, "swarm-node")
     if token is None:
         print(f"swarm-node: no join token: set ${join_token.ENV} or --token-file", file=sys.stderr)
         return 2

@@ -22,6 +22,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def from_args(args: argparse.Namespace, prog: str) -> str | None:
+    """:func:`resolve`, or exit 2 with ``prog``'s message when the token file cannot be read."""
+    try:
+        return resolve(args)
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"{prog}: cannot read the join token: {e}") from None
+
+
 def resolve(args: argparse.Namespace) -> str | None:
     """The token from ``--token``, ``--token-file`` or the environment, in that order; None if none."""
     if args.token:
