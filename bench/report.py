@@ -30,7 +30,15 @@ def markdown(r: dict) -> str:
     refs = "\n".join(f"- {k}: {v} B" for k, v in w["reference_rows"].items())
     out = [
         f"# Benchmarks ({'quick' if r['quick'] else 'full'} run)",
-        f"{m['date']} on {m['platform']}, {m['cpu_count']} CPUs, torch {m['torch']}, CUDA {m['cuda']}.",
+        f"{m['date']} on {m['platform']}, {m['cpu_count']} CPUs, torch {m['torch']}, CUDA {m['cuda']}."
+        + (
+            " Rerun since, on "
+            f"{r['rerun']['platform']} ({r['rerun']['cpu_count']} CPUs): "
+            + ", ".join(f"{name} {date}" for name, date in r["rerun"]["sections"].items())
+            + "."
+            if "rerun" in r
+            else ""
+        ),
         "",
         f"## Wire bytes per token per boundary, d={ps['d']}, k={ps['k']} (synthetic coordinates)",
         "Serialized `StageMessage` bytes (protobuf framing included) of one frame of "

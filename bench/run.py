@@ -244,10 +244,17 @@ def main(quick: bool, out: str | Path, resume: bool = False, only: list[str] | N
     unknown = set(only or ()) - set(available)
     if unknown:
         raise ValueError(f"unknown benchmark sections {sorted(unknown)}; choose from {list(available)}")
+    if only and not saved.exists():
+        raise ValueError(f"--only reruns sections of an earlier run: no {saved} yet (run them all first)")
     if (resume or only) and saved.exists():
         previous = json.loads(saved.read_text())
         if only or previous.get("plan") == current_plan:
             results = previous | {"plan": current_plan}
+    if only:  # which sections are newer than the run the header describes, and where they ran
+        rerun = results.setdefault("rerun", {"sections": {}})
+        now = machine()
+        rerun |= {"platform": now["platform"], "cpu_count": now["cpu_count"]}
+        rerun["sections"] |= dict.fromkeys(only, now["date"])
     for name, section in available.items():
         if (only and name not in only) or (not only and name in results):
             continue

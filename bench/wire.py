@@ -76,18 +76,28 @@ def measured_row(case: CodecCase, model: ModelConfig, train: TrainConfig) -> dic
     grad = receiver.backward(0, 0)
     sender.backward(0, 0, grad)
     n = ids[:, :-1].numel()
-    sync_step = pipe.exchange_boundary_state() / 2  # each side sends its share once
-    for w in pipe.workers:
-        w.optimizer_step(0)
-    sync_step += pipe.ship_codebooks()
     step_tokens = train.batch_size * train.seq_len
     return {
         "codec": case.name,
         "forward_B_per_token": to_message(frame).ByteSize() / n,
         "backward_B_per_token": to_message(grad).ByteSize() / n,
         "codec_accounted_B_per_token": (frame.nbytes + grad.nbytes) / n,
-        "sync_B_per_token": sync_step / step_tokens,
+        "sync_B_per_token": step_sync_bytes(config, gen) / step_tokens,
     }
+
+
+def step_sync_bytes(config: RunConfig, gen: torch.Generator) -> float:
+    """Boundary-state bytes one side sends in a training step (MAPL gradient share, RVQ delta),
+    measured at the second step of a full batch: MAPL's anchor map starts at zero, so the first
+    step's share has no anchor rows."""
+    t, vocab = config.train, config.model.vocab_size
+    pipe = LocalPipeline(config)
+    pipe.train_step(0, torch.randint(0, vocab, (t.batch_size, t.seq_len + 1), generator=gen))
+    pipe.forward_backward(1, torch.randint(0, vocab, (t.batch_size, t.seq_len + 1), generator=gen))
+    sync = pipe.exchange_boundary_state() / 2  # each side sends its share once
+    for w in pipe.workers:
+        w.optimizer_step(1)
+    return sync + pipe.ship_codebooks()
 
 
 def run(model: ModelConfig, train: TrainConfig, tokens: int = 4096) -> dict:

@@ -53,3 +53,8 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     else:
         assert "skipped" in results["multihost"] and "skipped" in results["generation"]
     assert "benchmarks done" in capsys.readouterr().out
+    # --only reruns one section and keeps the others, and the report says which ones are newer
+    assert main(["bench", "--quick", "--out", str(tmp_path), "--only", "wire"]) == 0
+    rerun = json.loads((tmp_path / "results.json").read_text())
+    assert rerun["churn"] == results["churn"] and list(rerun["rerun"]["sections"]) == ["wire"]
+    assert "Rerun since" in (tmp_path / "results.md").read_text()
