@@ -230,13 +230,21 @@ def _multihost(p: BenchPlan) -> list[dict] | dict:
     return _needs_netns(lambda: multihost.run(p.multihost, codecs))
 
 
-def main(quick: bool, out: str | Path, resume: bool = False, only: list[str] | None = None) -> dict:
+def main(
+    quick: bool,
+    out: str | Path,
+    resume: bool = False,
+    only: list[str] | None = None,
+    compute_profile: str | None = None,
+) -> dict:
     """Run every section, saving ``results.json`` after each; ``resume`` keeps sections already saved
     by an interrupted run of the same plan; ``only`` reruns just the named sections and keeps the
-    others of the saved results (each section records the plan it ran under)."""
+    others of the saved results; ``compute_profile`` replaces the paper-scale section's profile."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     p = plan(quick)
+    if compute_profile and p.paper_scale is not None:  # e.g. one measured on a GPU
+        p.paper_scale = dataclasses.replace(p.paper_scale, profile=compute_profile)
     current_plan = json.loads(json.dumps(dataclasses.asdict(p), default=str))
     results: dict = {"quick": quick, "machine": machine(), "plan": current_plan, "seconds": {}}
     saved = out / "results.json"

@@ -216,7 +216,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
     out = args.out or ("results/bench-quick" if args.quick else "bench/results")
     only = args.only.split(",") if args.only else None
-    results = bench_main(args.quick, out, resume=args.resume, only=only)
+    results = bench_main(args.quick, out, resume=args.resume, only=only, compute_profile=args.compute_profile)
     print(
         f"benchmarks done in {sum(results['seconds'].values()):.0f} s: {out}/results.md, results.json, *.png"
     )
@@ -299,6 +299,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resume", action="store_true", help="keep the sections an interrupted run already saved")
     p.add_argument(
         "--only", help="comma-separated sections to rerun (e.g. paper_scale); the others are kept from --out"
+    )
+    p.add_argument(
+        "--compute-profile",
+        help="paper-scale section: a bundled profile name or a JSON file (bench.compute_profile)",
     )
     p.set_defaults(func=cmd_bench)
     args = parser.parse_args(argv)

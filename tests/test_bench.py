@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from bench.netns import available
 from swarm.cli import main
+from swarm.emulation import ComputeProfile
 
 
 def test_quick_bench_writes_results(tmp_path, capsys):
@@ -53,8 +56,15 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     else:
         assert "skipped" in results["multihost"] and "skipped" in results["generation"]
     assert "benchmarks done" in capsys.readouterr().out
-    # --only reruns one section and keeps the others, and the report says which ones are newer
-    assert main(["bench", "--quick", "--out", str(tmp_path), "--only", "wire"]) == 0
+    # --only reruns sections and keeps the others, the report says which ones are newer, and a
+    # measured compute profile (here a made-up, 10x faster device) replaces the derived one
+    gpu = tmp_path / "gpu.json"
+    ComputeProfile("fast-gpu", "2b-8layer", "test", "made up", 7.0, 14.0, 32).save(gpu)
+    args = ["bench", "--quick", "--out", str(tmp_path), "--only", "wire,paper_scale"]
+    assert main([*args, "--compute-profile", str(gpu)]) == 0
     rerun = json.loads((tmp_path / "results.json").read_text())
-    assert rerun["churn"] == results["churn"] and list(rerun["rerun"]["sections"]) == ["wire"]
+    assert rerun["churn"] == results["churn"] and list(rerun["rerun"]["sections"]) == ["wire", "paper_scale"]
+    assert rerun["paper_scale"]["profile"]["name"] == "fast-gpu"
+    faster = rerun["paper_scale"]["rows"][0]["compute_bound_tokens_per_s"]
+    assert faster == pytest.approx(10 * paper["rows"][0]["compute_bound_tokens_per_s"], rel=0.01)
     assert "Rerun since" in (tmp_path / "results.md").read_text()
