@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import hmac
 import logging
 import time
@@ -100,7 +101,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         except BaseException:
             self.state.close()
             raise
-        self.run_id, self.auth_token, self.plan_epoch = run.id, run.auth_token, run.plan_epoch
+        self.run_id, self.plan_epoch = run.id, run.plan_epoch
+        self.link_key = run.auth_token.encode()  # the run's secret: boundary link secrets derive from it
         self.resume_step, self.restarts = run.resume_step, run.restarts
         state_file = Path(state_path)
         self.sessions = Sessions(state_file.with_name(state_file.name + ".session-key"))
@@ -268,8 +270,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.metrics.stage_nodes.labels(str(stage)).set(sum(stage in n.stages for n in alive))
 
     def _links(self, node_id: str) -> list[coordinator_pb2.BoundaryLink]:
+        """``node_id``'s dial plan, each boundary with its secret for this epoch (``link_secret``)."""
+        owners = self._owners()
         addresses = {n.id: n.address for n in self.nodes.values() if n.alive}
-        return links_for(node_id, self._owners(), addresses)
+        links = links_for(node_id, owners, addresses)
+        for link in links:
+            if link.peer_node_id:
+                b = link.boundary
+                ends = f"{self.run_id}/{self.plan_epoch}/{b}/{owners[b]}/{owners[b + 1]}".encode()
+                link.link_secret = hmac.new(self.link_key, ends, hashlib.sha256).hexdigest()
+        return links
 
     def _neighbours(self, node_id: str, other_id: str) -> bool:
         """Whether the current plan joins the two nodes across a boundary."""
@@ -359,7 +369,6 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             embedding_size=len(self.artifacts[self.embedding_digest]),
             subspace_version=self.rotation.version,
             heartbeat_interval_ms=self.heartbeat_interval_ms,
-            auth_token=self.auth_token,
             session=self.sessions.issue(node.id),
             dht_initial_peers=self.dht_peers,
             plan=self._plan(node),

@@ -49,7 +49,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 @dataclass
 class RunRecord:
     id: str
-    auth_token: str  # per-run secret for Hello.auth_token on boundary streams
+    auth_token: str  # per-run secret (never sent): the key boundary link secrets derive from
     plan_epoch: int
     resume_step: int = 0  # first step of the current epoch
     restarts: int = 0  # epochs that rolled the run back to a cut

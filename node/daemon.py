@@ -140,7 +140,7 @@ class NodeDaemon:
         return config
 
     async def _run_joined(self, reply: cpb.JoinReply) -> NodeResult:
-        self.identity = RunIdentity(reply.run_id, reply.config_hash, reply.auth_token, reply.node_id)
+        self.identity = RunIdentity(reply.run_id, reply.config_hash, reply.node_id)
         self._cuts_taken = self.client.cut_requests
         self.client.set_phase(cpb.NODE_PHASE_FETCHING)
         fixed, fetched = await self._embedding(reply.embedding_digest, reply.embedding_size)

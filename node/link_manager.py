@@ -70,7 +70,7 @@ class LinkManager:
         if link is None or link.role != cpb.LINK_ROLE_ACCEPT:
             return None
         peer_stage = boundary + 1 if link.local_stage == boundary else boundary
-        return PlannedPeer(peer_stage, link.peer_node_id)
+        return PlannedPeer(peer_stage, link.peer_node_id, link.link_secret)
 
     def local_stage(self, boundary: int) -> int:
         return self.plan_links[boundary].local_stage
@@ -126,7 +126,7 @@ class LinkManager:
                 self.identity,
                 b,
                 link.local_stage,
-                PlannedPeer(peer_stage, link.peer_node_id),
+                PlannedPeer(peer_stage, link.peer_node_id, link.link_secret),
                 self.metrics,
                 self.settings.link,
                 timeout=timeout,

@@ -59,20 +59,21 @@ class RunIdentity:
 
     run_id: str
     config_hash: str
-    auth_token: str
     node_id: str
     plan_epoch: int = 0
 
 
 @dataclass(frozen=True)
 class PlannedPeer:
-    """Who the plan puts on the other side of a boundary."""
+    """Who the plan puts on the other side of a boundary, and the boundary's secret (both sides
+    hold it for this epoch; each side's Hello proves it)."""
 
     stage: int
     node_id: str
+    secret: str
 
 
-def hello(identity: RunIdentity, boundary: int, stage: int) -> stage_pb2.StageMessage:
+def hello(identity: RunIdentity, boundary: int, stage: int, secret: str) -> stage_pb2.StageMessage:
     return stage_pb2.StageMessage(
         hello=stage_pb2.Hello(
             protocol_version=PROTOCOL_VERSION,
@@ -80,7 +81,7 @@ def hello(identity: RunIdentity, boundary: int, stage: int) -> stage_pb2.StageMe
             config_hash=identity.config_hash,
             boundary=boundary,
             stage=stage,
-            auth_token=identity.auth_token,
+            auth_token=secret,
             node_id=identity.node_id,
             plan_epoch=identity.plan_epoch,
         )
@@ -106,8 +107,6 @@ def check_hello(
             stage_pb2.ERROR_CODE_PROTOCOL_VERSION,
             f"protocol {h.protocol_version}, want {PROTOCOL_VERSION}",
         )
-    if not hmac.compare_digest(h.auth_token.encode(), identity.auth_token.encode()):
-        return stage_pb2.ERROR_CODE_UNAUTHENTICATED, "bad stage auth token"
     if h.run_id != identity.run_id or h.config_hash != identity.config_hash:
         return stage_pb2.ERROR_CODE_CONFIG_MISMATCH, f"peer is in run {h.run_id} config {h.config_hash[:12]}"
     peer = peer_of(h.boundary)
@@ -116,6 +115,8 @@ def check_hello(
             stage_pb2.ERROR_CODE_WRONG_BOUNDARY,
             f"boundary {h.boundary} stage {h.stage} is not served here",
         )
+    if not hmac.compare_digest(h.auth_token.encode(), peer.secret.encode()):
+        return stage_pb2.ERROR_CODE_UNAUTHENTICATED, f"wrong secret for boundary {h.boundary}"
     if h.plan_epoch != identity.plan_epoch or h.node_id != peer.node_id:
         return (
             stage_pb2.ERROR_CODE_PLAN_EPOCH,
@@ -353,7 +354,7 @@ async def dial(
         channel = insecure_channel(address, keepalive)
         try:
             call = stage_pb2_grpc.StageStub(channel).Exchange()
-            await call.write(hello(identity, boundary, local_stage))
+            await call.write(hello(identity, boundary, local_stage, peer.secret))
             reply = await asyncio.wait_for(call.read(), timeout=max(1.0, deadline - loop.time()))
             if isinstance(reply, stage_pb2.StageMessage) and reply.WhichOneof("body") == "error":
                 if reply.error.code == stage_pb2.ERROR_CODE_PLAN_EPOCH:

@@ -76,7 +76,8 @@ class StageService(stage_pb2_grpc.StageServicer):
             await context.write(error_message(code, reason))
             return
         boundary = first.hello.boundary
-        await context.write(hello(acceptor.identity, boundary, acceptor.local_stage(boundary)))
+        secret = acceptor.peer_of(boundary).secret
+        await context.write(hello(acceptor.identity, boundary, acceptor.local_stage(boundary), secret))
         link = StageLink(boundary, context.read, context.write, self.metrics, self.profile)
         try:
             await acceptor.attach(boundary, link)

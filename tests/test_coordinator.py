@@ -288,6 +288,10 @@ def test_join_assigns_stages_in_order_then_standby(tmp_path):
             beat = await h.heartbeat(a.node_id, a.plan.epoch)
             assert beat.known and beat.plan_epoch == beat.plan.epoch == 3
             assert list(beat.plan.stages) == [0, 1]
+            # Both ends of a boundary, and only they, get its secret for this epoch.
+            b_links = {link.boundary: link.link_secret for link in (await h.heartbeat(b.node_id)).plan.links}
+            assert beat.plan.links[0].link_secret == b_links[1] != b_links[2] and all(b_links.values())
+            beat.plan.links[0].ClearField("link_secret")
             assert list(beat.plan.links) == [
                 coordinator_pb2.BoundaryLink(
                     boundary=1,
@@ -304,7 +308,6 @@ def test_join_assigns_stages_in_order_then_standby(tmp_path):
             assert a.config_hash == config_hash(config) and a.run_id == h.service.run_id
             embedding = matrix_to_bytes(initial_artifacts(config)[0])
             assert (a.embedding_digest, a.embedding_size) == (digest(embedding), len(embedding))
-            assert a.auth_token and a.auth_token == d.auth_token
             assert list(a.dht_initial_peers) == PEERS and a.heartbeat_interval_ms == 1000
             beat = await h.heartbeat(c.node_id)
             assert beat.known and beat.plan_epoch == 3 and list(beat.plan.stages) == [3]
@@ -388,6 +391,8 @@ def test_dead_node_stages_go_to_standby(tmp_path):
             assert beat.plan.epoch == beat.plan_epoch > standby.plan.epoch
             assert list(beat.plan.stages) == [1]
             assert beat.plan.resume_step == 0 and not beat.plan.restore  # no checkpoint yet: from the start
+            assert beat.plan.links[0].link_secret  # a new epoch, a new boundary secret
+            beat.plan.links[0].ClearField("link_secret")
             assert list(beat.plan.links) == [
                 coordinator_pb2.BoundaryLink(
                     boundary=0,
@@ -791,7 +796,10 @@ def test_restart_resumes_run_secret_nodes_and_rotations(tmp_path):
             assert h.service.run_id == a.run_id
             assert (await h.heartbeat(a.node_id)).known and (await h.heartbeat(b.node_id)).known
             late = await h.join("late")
-            assert (late.run_id, late.auth_token, late.subspace_version) == (a.run_id, a.auth_token, 1)
+            assert (late.run_id, late.subspace_version) == (a.run_id, 1)
+            # The run's secret survives the restart: the epoch's boundary secret is unchanged.
+            (link,) = (await h.heartbeat(b.node_id)).plan.links
+            assert link.link_secret == b.plan.links[0].link_secret != ""
             assert list(late.plan.stages) == [] and late.plan.epoch == b.plan.epoch
             assert (await h.status()).plan_epoch == b.plan.epoch
             replay = h.stub.WatchRotations(coordinator_pb2.WatchRotationsRequest(after_version=0))

@@ -30,10 +30,11 @@ from tests.helpers import random_batch, tiny_config
 
 CONFIG = tiny_config(n_stages=2)
 EPOCH = 3
-SERVER = RunIdentity("run-1", config_hash(CONFIG), "stage-secret", "node-down", EPOCH)
-CLIENT = RunIdentity("run-1", config_hash(CONFIG), "stage-secret", "node-up", EPOCH)
-UP_PEER = PlannedPeer(0, CLIENT.node_id)  # what the server's plan puts upstream of boundary 0
-DOWN_PEER = PlannedPeer(1, SERVER.node_id)  # what the dialler's plan puts downstream of boundary 0
+SERVER = RunIdentity("run-1", config_hash(CONFIG), "node-down", EPOCH)
+CLIENT = RunIdentity("run-1", config_hash(CONFIG), "node-up", EPOCH)
+SECRET = "boundary-0-epoch-3-secret"  # what the coordinator gives both ends of boundary 0
+UP_PEER = PlannedPeer(0, CLIENT.node_id, SECRET)  # what the server's plan puts upstream of boundary 0
+DOWN_PEER = PlannedPeer(1, SERVER.node_id, SECRET)  # what the dialler's plan puts downstream of boundary 0
 Attach = Callable[[int, StageLink], Awaitable[None]]
 
 
@@ -98,19 +99,24 @@ async def refuse_all(boundary: int, link: StageLink) -> None:
 
 
 @pytest.mark.parametrize(
-    ("identity", "boundary", "code", "reason"),
+    ("identity", "secret", "boundary", "code", "reason"),
     [
-        (replace(CLIENT, auth_token="wrong"), 0, "UNAUTHENTICATED", "unauthenticated"),
-        (replace(CLIENT, config_hash="0" * 64), 0, "CONFIG_MISMATCH", "config_mismatch"),
-        (replace(CLIENT, run_id="run-2"), 0, "CONFIG_MISMATCH", "config_mismatch"),
-        (CLIENT, 1, "WRONG_BOUNDARY", "wrong_boundary"),
+        # another boundary's secret (or an epoch's before): the planned node id is not enough
+        (CLIENT, "boundary-1-epoch-3-secret", 0, "UNAUTHENTICATED", "unauthenticated"),
+        (replace(CLIENT, config_hash="0" * 64), SECRET, 0, "CONFIG_MISMATCH", "config_mismatch"),
+        (replace(CLIENT, run_id="run-2"), SECRET, 0, "CONFIG_MISMATCH", "config_mismatch"),
+        (CLIENT, SECRET, 1, "WRONG_BOUNDARY", "wrong_boundary"),
     ],
 )
-def test_bad_hello_is_refused_and_counted(identity: RunIdentity, boundary: int, code: str, reason: str):
+def test_bad_hello_is_refused_and_counted(
+    identity: RunIdentity, secret: str, boundary: int, code: str, reason: str
+):
+    peer = replace(DOWN_PEER, secret=secret)
+
     async def main() -> None:
         async with stage_server(refuse_all) as server:
             with pytest.raises(LinkError, match=f"ERROR_CODE_{code}"):
-                await dial(server.address, identity, boundary, 0, DOWN_PEER, Metrics("node"), timeout=5)
+                await dial(server.address, identity, boundary, 0, peer, Metrics("node"), timeout=5)
             assert rejected(server.metrics, reason) == 1
             assert rejections(server.metrics) == {reason: 1.0}
 
@@ -143,7 +149,7 @@ def test_hello_from_another_epoch_or_unplanned_node_is_refused(identity: RunIden
             channel = insecure_channel(server.address)
             try:
                 call = stage_pb2_grpc.StageStub(channel).Exchange()
-                await call.write(hello(identity, 0, 0))
+                await call.write(hello(identity, 0, 0, SECRET))
                 error = await read_error(call)
                 assert error.code == stage_pb2.ERROR_CODE_PLAN_EPOCH, error
                 assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF  # and the stream closes
@@ -178,7 +184,7 @@ def test_service_without_a_plan_refuses_every_stream():
             try:
                 stub = stage_pb2_grpc.StageStub(channel)
                 call = stub.Exchange()
-                await call.write(hello(CLIENT, 0, 0))
+                await call.write(hello(CLIENT, 0, 0, SECRET))
                 assert (await read_error(call)).code == stage_pb2.ERROR_CODE_PLAN_EPOCH
                 pong = await stub.Ping(stage_pb2.PingRequest(nonce=1), timeout=5)
                 assert list(pong.stages) == [] and pong.node_id == SERVER.node_id
@@ -219,7 +225,9 @@ def test_dial_waits_for_the_peer_to_reach_its_epoch():
 def test_dialler_refuses_a_peer_the_plan_does_not_name():
     async def main() -> None:
         async with stage_server(hold) as server:
-            impostor = PlannedPeer(1, "node-other")  # the dialler's plan names another node downstream
+            impostor = PlannedPeer(
+                1, "node-other", SECRET
+            )  # the dialler's plan names another node downstream
             with pytest.raises(LinkError, match="answered badly"):
                 await dial(server.address, CLIENT, 0, 0, impostor, Metrics("node"), timeout=5)
 
@@ -366,7 +374,7 @@ def test_malformed_messages_are_answered_counted_and_survived():
             try:
                 stub = stage_pb2_grpc.StageStub(channel)
                 call = stub.Exchange()
-                await call.write(hello(CLIENT, 0, 0))
+                await call.write(hello(CLIENT, 0, 0, SECRET))
                 assert (await asyncio.wait_for(call.read(), 5)).WhichOneof("body") == "hello"
 
                 no_payload = common_pb2.ActivationFrame(step=0, microbatch=0, batch=2, seq_len=16)
@@ -375,7 +383,7 @@ def test_malformed_messages_are_answered_counted_and_survived():
                 assert error.code == stage_pb2.ERROR_CODE_BAD_PAYLOAD and "no payload" in error.message
                 assert rejected(server.metrics, "bad_payload") == 1
 
-                await call.write(hello(CLIENT, 0, 0))
+                await call.write(hello(CLIENT, 0, 0, SECRET))
                 assert (await read_error(call)).code == stage_pb2.ERROR_CODE_UNEXPECTED_MESSAGE
                 assert rejected(server.metrics, "unexpected_message") == 1
 

@@ -143,7 +143,7 @@ def test_plan_schema() -> None:
     join = fields(coordinator_pb2.JoinReply)
     assert join["plan"] == 14 and join["run_complete"] == 15
     assert not {"stages", "links", "plan_epoch"} & join.keys()
-    assert reserved(coordinator_pb2.JoinReply) == {5, 9, 10}
+    assert reserved(coordinator_pb2.JoinReply) == {5, 9, 10, 12}
     beat = fields(coordinator_pb2.HeartbeatReply)
     assert (beat["plan"], beat["run_complete"], beat["cut_requests"]) == (6, 7, 8)
     assert not {"stages", "links"} & beat.keys() and reserved(coordinator_pb2.HeartbeatReply) == {3, 4}

@@ -53,18 +53,20 @@ class JoinRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., node_name: _Optional[str] = ..., announce_address: _Optional[str] = ..., max_stages: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class BoundaryLink(_message.Message):
-    __slots__ = ("boundary", "local_stage", "peer_node_id", "peer_address", "role")
+    __slots__ = ("boundary", "local_stage", "peer_node_id", "peer_address", "role", "link_secret")
     BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
+    LINK_SECRET_FIELD_NUMBER: _ClassVar[int]
     boundary: int
     local_stage: int
     peer_node_id: str
     peer_address: str
     role: LinkRole
-    def __init__(self, boundary: _Optional[int] = ..., local_stage: _Optional[int] = ..., peer_node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ...) -> None: ...
+    link_secret: str
+    def __init__(self, boundary: _Optional[int] = ..., local_stage: _Optional[int] = ..., peer_node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ..., link_secret: _Optional[str] = ...) -> None: ...
 
 class StageCheckpoint(_message.Message):
     __slots__ = ("stage", "step", "digest", "size")
@@ -93,7 +95,7 @@ class Plan(_message.Message):
     def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., resume_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("node_id", "run_id", "config_json", "config_hash", "embedding_digest", "embedding_size", "subspace_version", "heartbeat_interval_ms", "auth_token", "dht_initial_peers", "plan", "run_complete", "session")
+    __slots__ = ("node_id", "run_id", "config_json", "config_hash", "embedding_digest", "embedding_size", "subspace_version", "heartbeat_interval_ms", "dht_initial_peers", "plan", "run_complete", "session")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -102,7 +104,6 @@ class JoinReply(_message.Message):
     EMBEDDING_SIZE_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
-    AUTH_TOKEN_FIELD_NUMBER: _ClassVar[int]
     DHT_INITIAL_PEERS_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
@@ -115,12 +116,11 @@ class JoinReply(_message.Message):
     embedding_size: int
     subspace_version: int
     heartbeat_interval_ms: int
-    auth_token: str
     dht_initial_peers: _containers.RepeatedScalarFieldContainer[str]
     plan: Plan
     run_complete: bool
     session: str
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ..., embedding_digest: _Optional[str] = ..., embedding_size: _Optional[int] = ..., subspace_version: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., auth_token: _Optional[str] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., session: _Optional[str] = ...) -> None: ...
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ..., embedding_digest: _Optional[str] = ..., embedding_size: _Optional[int] = ..., subspace_version: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., session: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "step", "phase", "plan_epoch", "tokens_per_second", "subspace_version")
