@@ -411,3 +411,13 @@ def test_rvq_snapshot_for_newcomer() -> None:
         ResidualVQ(DIM, 3, 32).load_snapshot(owner.snapshot())
     with pytest.raises(PayloadError):
         newcomer.load_snapshot(owner.snapshot()[:-4])
+
+
+def test_a_value_that_overflows_the_compute_dtype_is_refused():
+    """Found by the fuzzer: a finite fp64 payload value beyond float32's range became inf when
+    cast for the stage; the decoder now checks finiteness after the cast."""
+    fmt = Float64Format()
+    payload = fmt.encode(torch.tensor([[1.0, 2.0, 1e300, 3.0]], dtype=torch.float64))
+    assert torch.isfinite(fmt.decode(payload, dtype=torch.float64)).all()
+    with pytest.raises(PayloadError, match="non-finite"):
+        fmt.decode(payload, dtype=torch.float32)

@@ -93,9 +93,10 @@ class TensorFormat(ABC):
         if payload.format != self.name:
             raise PayloadError(f"payload format {payload.format!r} given to decoder {self.name!r}")
         check_shape(payload.rows, payload.cols)
-        out = self._decode(payload.data, payload.rows, payload.cols)
+        out = self._decode(payload.data, payload.rows, payload.cols).to(device=device, dtype=dtype)
+        # checked after the cast: a finite fp64 value can overflow the dtype the stage computes in
         check_finite(out, f"decoded {self.name} payload")
-        return out.to(device=device, dtype=dtype)
+        return out
 
     @abstractmethod
     def _encode(self, x: torch.Tensor) -> bytes: ...
