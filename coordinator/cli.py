@@ -27,6 +27,7 @@ from pathlib import Path
 import uvloop
 
 from coordinator.service import CoordinatorServer, CoordinatorService
+from coordinator.sessions import kept_secret
 from swarm import join_token, logs
 from swarm.config import RunConfig
 from swarm.metrics import Metrics
@@ -184,7 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     token = join_token.from_args(args, "swarm-coordinator")
     if token is None:
         path = Path(args.state).with_name(Path(args.state).name + ".token")
-        token = join_token.load_or_create(path, lambda: secrets.token_urlsafe(24))
+        token = kept_secret(path, lambda: secrets.token_urlsafe(24))
         log.warning("no join token given: nodes join with the one in %s (mode 0600)", path)
     where = Endpoints(
         host=args.host,

@@ -1,8 +1,8 @@
 """Per-node session credentials: what proves, on every call after Join, which node is calling.
 
 A node's credential is ``HMAC-SHA256(key, node_id)`` with a key only the coordinator holds
-(a 0600 file next to its state, so a restarted coordinator accepts the credentials it
-issued). Nodes send it as gRPC metadata (:mod:`swarm.transport.session`); the coordinator
+(a 0600 file next to its state, :func:`kept_secret`, so a restarted coordinator accepts the
+credentials it issued). Nodes send it as gRPC metadata (:mod:`swarm.transport.session`); the coordinator
 checks it in constant time. Node ids are not secrets: ``Status`` may show them.
 """
 
@@ -12,10 +12,23 @@ import hashlib
 import hmac
 import os
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from swarm.transport.session import NODE_KEY, SESSION_KEY
+
+
+def kept_secret(path: Path, create: Callable[[], str]) -> str:
+    """The secret kept in ``path`` (mode 0600), created with ``create()`` on first use: what a
+    restarted coordinator must keep (its join token, its session key)."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except FileExistsError:
+        return path.read_text().strip()
+    secret = create()
+    with os.fdopen(fd, "w") as f:
+        f.write(secret + "\n")
+    return secret
 
 
 class Sessions:
@@ -23,14 +36,11 @@ class Sessions:
 
     def __init__(self, key_path: str | Path):
         path = Path(key_path)
+        text = kept_secret(path, lambda: secrets.token_hex(32))
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        except FileExistsError:
-            self._key = path.read_bytes()
-        else:
-            self._key = secrets.token_bytes(32)
-            with os.fdopen(fd, "wb") as f:
-                f.write(self._key)
+            self._key = bytes.fromhex(text)
+        except ValueError:
+            self._key = b""
         if len(self._key) < 32:
             raise ValueError(f"session key file {path} is damaged ({len(self._key)} bytes)")
 

@@ -23,7 +23,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def from_args(args: argparse.Namespace, prog: str) -> str | None:
-    """:func:`resolve`, or exit 2 with ``prog``'s message when the token file cannot be read."""
+    """:func:`resolve`, or exit with ``prog``'s message when the token file cannot be read."""
     try:
         return resolve(args)
     except (OSError, ValueError) as e:
@@ -41,16 +41,3 @@ def resolve(args: argparse.Namespace) -> str | None:
             raise ValueError(f"token file {args.token_file} is empty")
         return token
     return os.environ.get(ENV) or None
-
-
-def load_or_create(path: Path, create) -> str:
-    """The token kept in ``path`` (0600), created with ``create()`` on first use: a restarted
-    coordinator keeps the token its nodes joined with."""
-    try:
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    except FileExistsError:
-        return path.read_text().strip()
-    token = create()
-    with os.fdopen(fd, "w") as f:
-        f.write(token + "\n")
-    return token
