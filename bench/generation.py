@@ -24,7 +24,7 @@ from pathlib import Path
 
 from bench.netns import EmulatedNetwork
 from swarm import model_io
-from swarm.config import DataConfig, ModelConfig, RunConfig
+from swarm.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from swarm.generate import Sampling, sample
 from swarm.inference import ClientHead
 from swarm.local_swarm import ProcessGroup, tee, wait_for_line
@@ -47,7 +47,10 @@ class GenerationPlan:
 
 
 def model_folder(plan: GenerationPlan, folder: Path) -> Path:
-    config = RunConfig(model=plan.model, data=DataConfig(tokenizer="byte"), n_stages=plan.n_stages)
+    train = TrainConfig(seq_len=plan.model.max_seq_len)  # unused: the model is only initialised and saved
+    config = RunConfig(
+        model=plan.model, train=train, data=DataConfig(tokenizer="byte"), n_stages=plan.n_stages
+    )
     model_io.save(model_io.from_workers(LocalPipeline(config).workers, 0), folder / "model")
     return folder / "model"
 
@@ -108,7 +111,7 @@ def _serve(
     """Start ``swarm-node serve`` for ``stage`` on its host; its address once it serves."""
     argv = [*net.exec_prefix(stage), sys.executable, "-m", "node.cli", "serve", "--model", str(model)]
     argv += ["--stage", str(stage), "--listen", f"{net.host_ip(stage)}:{port}"]
-    argv += ["--boundary", boundary, "--format", "bf16", "--device", "cpu"]
+    argv += ["--boundary", boundary, "--format", "bf16", "--device", "cpu", "--insecure"]  # emulated hosts
     name = f"serve-{boundary}-{stage}"
     proc = group.start(argv, folder / f"{name}.err")
     lines: list[str] = []

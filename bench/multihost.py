@@ -9,9 +9,11 @@ each host behind a ``tbf`` access link, nothing reachable through 127.0.0.1 acro
     h2   10.213.0.4   swarm-node join, inbound :7100              -> stage 2
     h3   10.213.0.5   swarm-node join, inbound, cannot reach TCP :7001 (no DHT) -> stage 3
 
-The commands are :data:`COORDINATOR` and :data:`INBOUND_NODE` / :data:`DIAL_ONLY_NODE`
-with the coordinator's address in place of ``COORD`` (the README quotes the same
-templates; a test checks it does); the join token travels in ``SWARM_TOKEN``. Nodes
+The commands are :data:`CERTS`, :data:`ISSUE`, :data:`COORDINATOR`, :data:`INBOUND_NODE` /
+:data:`DIAL_ONLY_NODE` and :data:`STATUS` with the coordinator's address in place of ``COORD``
+(the README quotes the same templates; a test checks it does); the join token travels in
+``SWARM_TOKEN``. Every channel is TLS from the recipe's CA: inbound nodes get a certificate
+of their own, the dial-only node only the CA. Nodes
 join one by one, so the stage of each is known, and linger after the run so their
 metrics can still be read. Used by ``tests/test_multihost.py`` and the ``multihost``
 benchmark section.
@@ -24,6 +26,7 @@ import dataclasses
 import json
 import secrets
 import shlex
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -34,18 +37,24 @@ from pathlib import Path
 from bench.netns import EmulatedNetwork
 from swarm.config import CodecConfig, ModelConfig, RunConfig, TrainConfig
 from swarm.local_swarm import RELAYING, ProcessGroup, StatusPoller, tee, wait_for_line
+from swarm.transport.tls import NODE_SERVER_NAME, Security
 
+CERTS = "swarm certs init --dir certs --host COORD"
+ISSUE = "swarm certs issue --dir certs --name NAME"
 COORDINATOR = (
     "swarm-coordinator serve --config run.toml --host 0.0.0.0 --port 7000 --dht-listen /ip4/0.0.0.0/tcp/7001 "
-    "--metrics-host 0.0.0.0 --metrics-port 9100 --state run.sqlite"
+    "--metrics-host 0.0.0.0 --metrics-port 9100 --state run.sqlite "
+    "--tls-ca certs/ca.pem --tls-cert certs/coordinator.pem --tls-key certs/coordinator.key"
 )
 INBOUND_NODE = (
     "swarm-node join --coordinator COORD:7000 --listen 0.0.0.0:7100 --dht-listen /ip4/0.0.0.0/tcp/7101 "
-    "--metrics-host 0.0.0.0 --metrics-port 9100"
+    "--metrics-host 0.0.0.0 --metrics-port 9100 --tls-ca ca.pem --tls-cert node.pem --tls-key node.key"
 )
 DIAL_ONLY_NODE = (
-    "swarm-node join --coordinator COORD:7000 --listen '' --metrics-host 0.0.0.0 --metrics-port 9100"
+    "swarm-node join --coordinator COORD:7000 --listen '' --metrics-host 0.0.0.0 --metrics-port 9100 "
+    "--tls-ca ca.pem"
 )
+STATUS = "swarm status --coordinator COORD:7000 --tls-ca ca.pem"
 GRPC_PORT, DHT_PORT, METRICS_PORT, NODE_PORT, PROMETHEUS_PORT = 7000, 7001, 9100, 7100, 9090
 ROLES = ("inbound", "dial-only", "inbound", "no-dht")  # host i's node, hosting stage i
 LINGER_S = 120.0
@@ -57,7 +66,9 @@ sys.stdout.buffer.write(urllib.request.urlopen(sys.argv[1], timeout=10).read())
 HEALTH = """
 import sys, grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-with grpc.insecure_channel(sys.argv[1]) as channel:
+credentials = grpc.ssl_channel_credentials(open(sys.argv[3], "rb").read())
+options = [("grpc.ssl_target_name_override", sys.argv[4])] if sys.argv[4:] else []
+with grpc.secure_channel(sys.argv[1], credentials, options=options) as channel:
     request = health_pb2.HealthCheckRequest(service=sys.argv[2])
     reply = health_pb2_grpc.HealthStub(channel).Check(request, timeout=10)
 print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
@@ -122,17 +133,34 @@ class MultiHostSwarm:
         tee(proc, self.folder / f"{name}.log", [])
         return proc
 
+    def _recipe(self, template: str, cwd: Path, **names: str) -> None:
+        """Run a certificate line of the recipe (``COORD``, ``NAME`` filled in) in ``cwd``."""
+        argv = command(template.replace("NAME", names.get("name", "")), self.coordinator_ip)
+        subprocess.run(argv, cwd=cwd, check=True, capture_output=True, timeout=60)
+
+    def _hand_certificate(self, i: int, folder: Path) -> None:
+        """What the operator gives volunteer ``i``: the CA, and for an inbound node its own pair."""
+        certs = self.folder / "certs"
+        shutil.copy(certs / "ca.pem", folder / "ca.pem")
+        if ROLES[i] != "dial-only":
+            self._recipe(ISSUE, self.folder, name=f"node{i}")
+            shutil.copy(certs / f"node{i}.pem", folder / "node.pem")
+            shutil.copy(certs / f"node{i}.key", folder / "node.key")
+
     def start(self) -> None:
         """Coordinator (and Prometheus), then each node once the one before it has joined."""
         ctl = self.net.control_prefix
         (self.folder / "run.toml").write_text(self.config.to_toml())
+        self._recipe(CERTS, self.folder)
         self.coordinator = self._start(ctl, command(COORDINATOR), "coordinator", self.folder)
         relay = [*ctl, sys.executable, "-m", "swarm.local_swarm", "relay", str(self.socket)]
         relay.append(f"{self.coordinator_ip}:{GRPC_PORT}")
         relay_proc = self.group.start(relay, self.folder / "relay.err")
         lines: list[str] = []
         tee(relay_proc, self.folder / "relay.log", lines)
-        self.poller = StatusPoller(wait_for_line(lines, RELAYING, relay_proc, 60).group(1))
+        ca = Security.from_files(self.folder / "certs" / "ca.pem")
+        relay_address = wait_for_line(lines, RELAYING, relay_proc, 60).group(1)
+        self.poller = StatusPoller(relay_address, ca, server_name=self.coordinator_ip)
         self._wait(lambda: self._status() is not None, 90, "the coordinator to serve")
         if self.plan.prometheus:
             self._start_prometheus()
@@ -143,6 +171,7 @@ class MultiHostSwarm:
             data = self.folder / f"node{i}"
             argv += ["--data-dir", str(data), "--name", f"node{i}", "--linger-s", str(LINGER_S)]
             data.mkdir(exist_ok=True)
+            self._hand_certificate(i, data)
             self.nodes.append(self._start(self.net.exec_prefix(i), argv, f"node{i}", data))
             self._wait(lambda n=i + 1: len(self._status().nodes) >= n, 120, f"node{i} to join")
 
@@ -204,15 +233,26 @@ class MultiHostSwarm:
         argv = [*self._in(host), sys.executable, "-c", FETCH, url]
         return subprocess.run(argv, capture_output=True, check=True, timeout=60).stdout
 
-    def health(self, address: str, service: str = "", host: int | None = None) -> str:
-        """The gRPC health status (e.g. ``SERVING``) of ``address``, asked from inside ``host``."""
-        argv = [*self._in(host), sys.executable, "-c", HEALTH, address, service]
+    def health(self, address: str, service: str = "", host: int | None = None, node: bool = False) -> str:
+        """The gRPC health status (e.g. ``SERVING``) of ``address`` (a node's when ``node``), asked
+        over TLS from inside ``host``."""
+        argv = [
+            *self._in(host),
+            sys.executable,
+            "-c",
+            HEALTH,
+            address,
+            service,
+            str(self.folder / "certs/ca.pem"),
+        ]
+        argv += [NODE_SERVER_NAME] if node else []
         return subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60).stdout.strip()
 
     def swarm_status(self, host: int, *flags: str) -> str:
-        """``swarm status --coordinator COORD:7000`` run on host ``host``."""
-        argv = [*command("swarm status"), "--coordinator", f"{self.coordinator_ip}:{GRPC_PORT}", *flags]
-        done = subprocess.run([*self._in(host), *argv], capture_output=True, text=True, timeout=120)
+        """The recipe's ``swarm status`` run on host ``host`` (in its node's folder, holding ca.pem)."""
+        argv = [*self._in(host), *command(STATUS, self.coordinator_ip), *flags]
+        cwd = self.folder / f"node{host}"
+        done = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=cwd)
         if done.returncode:
             raise RuntimeError(f"swarm status failed: {done.stderr}")
         return done.stdout

@@ -175,7 +175,7 @@ def sections(p: BenchPlan, quick: bool) -> dict[str, Callable[[], object]]:
     stages = p.n_stages if not quick else 2
 
     def run_convergence():
-        dataset = load_dataset(RunConfig(model=p.model, n_stages=1))
+        dataset = load_dataset(RunConfig(model=p.model, train=p.train, n_stages=1))
         train_cfg = dataclasses.replace(p.train, steps=p.convergence_steps)
         return convergence.run(
             _pick(cases, p.convergence_codecs), p.model, train_cfg, p.n_stages, dataset, p.rotation_interval

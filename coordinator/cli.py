@@ -26,12 +26,13 @@ from pathlib import Path
 
 import uvloop
 
-from coordinator.service import CoordinatorServer, CoordinatorService
+from coordinator.service import CoordinatorServer, CoordinatorService, host_port
 from coordinator.sessions import kept_secret
 from swarm import join_token, logs
 from swarm.config import RunConfig
 from swarm.metrics import Metrics
 from swarm.status import status_document
+from swarm.transport import tls
 
 log = logging.getLogger("swarm.coordinator")
 
@@ -76,6 +77,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--dead-after", type=float, default=15.0, help="seconds without heartbeat before death"
     )
     serve.add_argument("--log-format", choices=logs.FORMATS, default="text", help="text lines or JSON lines")
+    tls.add_arguments(serve)
     export = sub.add_parser(
         "export",
         help="write the run's trained model (latest complete checkpoint cut) as a model folder",
@@ -182,6 +184,7 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError, TypeError, tomllib.TOMLDecodeError) as e:
         print(f"swarm-coordinator: cannot load run configuration {args.config}: {e}", file=sys.stderr)
         return 2
+    security = tls.from_args(args, "swarm-coordinator", [host_port(args.host, args.port)])
     token = join_token.from_args(args, "swarm-coordinator")
     if token is None:
         path = Path(args.state).with_name(Path(args.state).name + ".token")
@@ -198,7 +201,14 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         service = CoordinatorService(
-            config, token, args.state, None, Metrics("coordinator"), [], dead_after_s=args.dead_after
+            config,
+            token,
+            args.state,
+            None,
+            Metrics("coordinator"),
+            [],
+            dead_after_s=args.dead_after,
+            security=security,
         )
         uvloop.run(serve(service, where))
     except (ValueError, sqlite3.Error) as e:  # a state file holding another run, or an unusable one

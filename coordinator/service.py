@@ -48,9 +48,10 @@ from swarm.config import RunConfig, config_hash
 from swarm.metrics import Metrics
 from swarm.status import RATE_WINDOW, run_rates
 from swarm.subspace import SubspaceRotation, initial_artifacts
-from swarm.transport.channel import insecure_channel, server_options
+from swarm.transport.channel import open_channel, server_options
 from swarm.transport.frames import PROTOCOL_VERSION, rotation_to_proto
 from swarm.transport.health import Health
+from swarm.transport.tls import INSECURE, NODE_SERVER_NAME, Security
 
 log = logging.getLogger("swarm.coordinator")
 
@@ -72,7 +73,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     ``token`` is the join secret; ``state_path`` the SQLite file (created, or resumed if it
     holds this run); ``run_id`` names a new run (None: a fresh id); ``dht_peers`` are the
-    multiaddrs handed to joining nodes. Call :meth:`start` on the serving loop and
+    multiaddrs handed to joining nodes; ``security`` the TLS of its server and of the Pings it
+    sends nodes. Call :meth:`start` on the serving loop and
     :meth:`close` after the server stopped (:class:`CoordinatorServer` does both).
     """
 
@@ -86,8 +88,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         dht_peers: list[str],
         dead_after_s: float = 15.0,
         heartbeat_interval_ms: int = 1000,
+        security: Security = INSECURE,
     ):
         self.config = config
+        self.security = security
         self.config_json = config.to_json()
         self.config_hash = config_hash(config)
         self.token = token.encode()
@@ -456,7 +460,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     async def _answers(self, node: NodeRecord) -> bool:
         """Whether a node is alive after all: it answers a Ping within ``PROBE_TIMEOUT_S``, or, failing
         that, still heartbeats for two more intervals (its port may just be out of our reach)."""
-        async with insecure_channel(node.address) as channel:
+        async with open_channel(node.address, self.security, server_name=NODE_SERVER_NAME) as channel:
             try:
                 await stage_pb2_grpc.StageStub(channel).Ping(stage_pb2.PingRequest(), timeout=PROBE_TIMEOUT_S)
                 return True
@@ -735,7 +739,7 @@ class CoordinatorServer:
         self.health = Health(self.server, [coordinator_service])
         address = host_port(self.host, self.requested_port)
         try:
-            self.port = self.server.add_insecure_port(address)
+            self.port = self.service.security.add_port(self.server, address)
         except RuntimeError as e:
             raise OSError(f"cannot bind {address}: {e}") from None
         await self.server.start()

@@ -19,6 +19,7 @@ from node.settings import NodeSettings, Timeouts
 from swarm import join_token, logs
 from swarm.inference import BOUNDARIES, FORMATS
 from swarm.logs import say
+from swarm.transport import tls
 from swarm.transport.shaper import LinkProfile
 
 
@@ -68,6 +69,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "metrics host default)",
     )
     p.add_argument("--name", default="", help="node name shown in status")
+    tls.add_arguments(p)
     p.add_argument("--log-format", choices=logs.FORMATS, default="text", help="text lines or JSON lines")
     defaults = Timeouts()
     p.add_argument(
@@ -106,6 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--metrics-port", type=int, default=-1, help="HTTP /metrics, /healthz (0: free, -1: off)"
     )
     serve.add_argument("--log-format", choices=logs.FORMATS, default="text", help="text lines or JSON lines")
+    tls.add_arguments(serve)
     return parser.parse_args(argv)
 
 
@@ -117,6 +120,7 @@ def serve_stage(args: argparse.Namespace) -> int:
     from swarm.inference import InferenceStage
     from swarm.metrics import Metrics
 
+    security = tls.from_args(args, "swarm-node serve", [args.listen])
     try:
         trained = model_io.load(args.model)
         stage = InferenceStage(trained, args.stage, args.boundary, args.format, pick_device(args.device))
@@ -133,7 +137,7 @@ def serve_stage(args: argparse.Namespace) -> int:
             http = metrics.serve(args.metrics_port, args.listen.rpartition(":")[0] or "127.0.0.1")
             say(f"node metrics on {http.host}:{http.port} (/metrics, /healthz)")
         with contextlib.suppress(asyncio.CancelledError):
-            await serve(stage, args.listen, args.session_timeout, metrics)
+            await serve(stage, args.listen, args.session_timeout, metrics, security)
 
     try:
         uvloop.run(run())
@@ -198,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     logs.setup(args.log_format, logging.WARNING)
     if args.command == "serve":
         return serve_stage(args)
+    endpoints = [args.coordinator, args.listen, args.announce]
+    security = tls.from_args(args, "swarm-node", endpoints, server=bool(args.listen))
     token = join_token.from_args(args, "swarm-node")
     if token is None:
         print(f"swarm-node: no join token: set ${join_token.ENV} or --token-file", file=sys.stderr)
@@ -217,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
         use_dht=not args.no_dht,
         public_dht=args.public_dht,
         name=args.name,
+        security=security,
         timeouts=dataclasses.replace(
             Timeouts(),
             connect_s=args.connect_timeout,

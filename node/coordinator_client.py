@@ -28,9 +28,10 @@ from swarm._proto.swarm.v1 import coordinator_pb2_grpc
 from swarm.artifacts import digest
 from swarm.metrics import Metrics
 from swarm.subspace import SubspaceRotation
-from swarm.transport.channel import insecure_channel
+from swarm.transport.channel import open_channel
 from swarm.transport.frames import rotation_from_proto
 from swarm.transport.session import session_metadata
+from swarm.transport.tls import INSECURE, Security
 
 log = logging.getLogger(__name__)
 
@@ -50,9 +51,9 @@ class CoordinatorUnreachable(RuntimeError):
 class CoordinatorClient:
     """One node's channel to the coordinator and the state it learns from it."""
 
-    def __init__(self, address: str, timeouts: Timeouts, metrics: Metrics):
+    def __init__(self, address: str, timeouts: Timeouts, metrics: Metrics, security: Security = INSECURE):
         self.address, self.timeouts, self.metrics = address, timeouts, metrics
-        self.channel = insecure_channel(address, timeouts.keepalive)
+        self.channel = open_channel(address, security, timeouts.keepalive)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.node_id = ""
         self.credentials: tuple[tuple[str, str], ...] = ()  # session metadata on every call after Join

@@ -86,7 +86,9 @@ class NodeDaemon:
         self.settings = settings
         self.metrics = Metrics("node")
         self.device = pick_device(settings.device)
-        self.client = CoordinatorClient(settings.coordinator, settings.timeouts, self.metrics)
+        self.client = CoordinatorClient(
+            settings.coordinator, settings.timeouts, self.metrics, settings.security
+        )
         self.coordinator_host = split_host_port(settings.coordinator)[0]
         listen_host = split_host_port(settings.listen)[0] if settings.listen else ""
         # The address this node's DHT and metrics bind by default: its Stage service's, else the
@@ -372,7 +374,7 @@ class NodeDaemon:
         stage_pb2_grpc.add_StageServicer_to_server(self.service, self.server)
         self.health = Health(self.server, [self.stage_service_name])
         host, port = split_host_port(self.settings.listen)
-        bound = self.server.add_insecure_port(join_host_port(host, port))
+        bound = self.settings.security.add_port(self.server, join_host_port(host, port))
         if bound == 0:
             raise RuntimeError(f"cannot listen on {self.settings.listen}")
         await self.server.start()

@@ -20,6 +20,7 @@ from swarm.model import KVCache
 from swarm.transport.channel import server_options
 from swarm.transport.frames import activation_from_proto, activation_to_proto
 from swarm.transport.health import Health
+from swarm.transport.tls import INSECURE, Security
 
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 
@@ -66,14 +67,20 @@ class InferenceService(inference_pb2_grpc.InferenceServicer):
         await context.abort(code, why)
 
 
-async def serve(stage: InferenceStage, listen: str, session_timeout_s: float, metrics: Metrics) -> None:
+async def serve(
+    stage: InferenceStage,
+    listen: str,
+    session_timeout_s: float,
+    metrics: Metrics,
+    security: Security = INSECURE,
+) -> None:
     """Serve ``stage`` on ``listen`` until cancelled (prints one ready line)."""
     server = grpc.aio.server(options=server_options())
     inference_pb2_grpc.add_InferenceServicer_to_server(
         InferenceService(stage, metrics, session_timeout_s), server
     )
     health = Health(server, [SERVICE])
-    port = server.add_insecure_port(listen)
+    port = security.add_port(server, listen)
     await server.start()
     await health.serving()
     host = listen.rpartition(":")[0]

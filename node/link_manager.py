@@ -131,6 +131,7 @@ class LinkManager:
                 self.settings.link,
                 timeout=timeout,
                 keepalive=self.settings.timeouts.keepalive,
+                security=self.settings.security,
             )
             self._channels.append(channel)
             self._install(b, stage_link)

@@ -27,9 +27,10 @@ import grpc
 from swarm._proto.swarm.v1 import stage_pb2, stage_pb2_grpc
 from swarm.codecs.base import PayloadError
 from swarm.metrics import Metrics
-from swarm.transport.channel import DEFAULT_KEEPALIVE, KeepAlive, insecure_channel
+from swarm.transport.channel import DEFAULT_KEEPALIVE, KeepAlive, open_channel
 from swarm.transport.frames import PROTOCOL_VERSION, frame_from_message, to_message
 from swarm.transport.shaper import UNSHAPED, LinkProfile, ShapedSender
+from swarm.transport.tls import INSECURE, NODE_SERVER_NAME, Security
 from swarm.wire import ActivationFrame, BoundarySync, GradientFrame
 
 log = logging.getLogger(__name__)
@@ -342,6 +343,7 @@ async def dial(
     profile: LinkProfile = UNSHAPED,
     timeout: float = 30.0,
     keepalive: KeepAlive = DEFAULT_KEEPALIVE,
+    security: Security = INSECURE,
 ) -> tuple[StageLink, grpc.aio.Channel]:
     """Open the boundary stream to ``address`` and exchange Hellos; retries until ``timeout``.
 
@@ -351,7 +353,7 @@ async def dial(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        channel = insecure_channel(address, keepalive)
+        channel = open_channel(address, security, keepalive, NODE_SERVER_NAME)
         try:
             call = stage_pb2_grpc.StageStub(channel).Exchange()
             await call.write(hello(identity, boundary, local_stage, peer.secret))

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from swarm.transport.channel import KeepAlive
 from swarm.transport.shaper import LinkProfile
+from swarm.transport.tls import INSECURE, Security
 
 
 @dataclass(frozen=True)
@@ -51,3 +52,4 @@ class NodeSettings:
     dht_listen: str = ""  # DHT multiaddr; default: TCP on a free port of the metrics_host default
     name: str = ""
     timeouts: Timeouts = field(default_factory=Timeouts)
+    security: Security = INSECURE  # TLS of the coordinator channel, the Stage server and its streams

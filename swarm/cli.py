@@ -10,6 +10,7 @@ import time
 import tomllib
 
 from swarm.config import MODEL_PRESETS, SCHEDULES, RunConfig, config_hash
+from swarm.transport.tls import add_arguments as tls_arguments
 
 DEFAULT_RUN = {
     "model": dataclasses.asdict(MODEL_PRESETS["small"]),
@@ -115,6 +116,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             chaos_s=args.chaos,
             chaos_seed=args.seed or 0,
             metrics_base_port=args.metrics_base_port,
+            tls=args.tls,
         )
     except KeyboardInterrupt:
         print("\nstopped: every coordinator and node process was terminated")
@@ -146,8 +148,10 @@ def cmd_status(args: argparse.Namespace) -> int:
 
     from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
     from swarm.status import render, status_document
+    from swarm.transport import tls
 
-    with grpc.insecure_channel(args.coordinator) as channel:
+    security = tls.from_args(args, "swarm status", [args.coordinator], server=False)
+    with security.channel(args.coordinator) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         while True:
             try:
@@ -184,10 +188,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(generate(trained, args.prompt, sampling, pick_device(args.device)))
         return 0
     from swarm.remote_generate import generate_remote, parse_servers
+    from swarm.transport import tls
 
+    servers = parse_servers(args.servers)
+    addresses = [a for stage in servers.values() for a in stage]
+    security = tls.from_args(args, "swarm generate", addresses, server=False)
     try:
         text, stats = generate_remote(
-            trained, args.prompt, sampling, parse_servers(args.servers), args.boundary, args.format
+            trained, args.prompt, sampling, servers, args.boundary, args.format, security
         )
     except RuntimeError as e:  # every server of a stage failed, or one refused our requests
         print(f"swarm generate: {e}", file=sys.stderr)
@@ -219,6 +227,27 @@ def cmd_bench(args: argparse.Namespace) -> int:
     results = bench_main(args.quick, out, resume=args.resume, only=only, compute_profile=args.compute_profile)
     print(
         f"benchmarks done in {sum(results['seconds'].values()):.0f} s: {out}/results.md, results.json, *.png"
+    )
+    return 0
+
+
+def cmd_certs(args: argparse.Namespace) -> int:
+    from swarm import certs
+
+    if args.action == "init":
+        ca = certs.init(args.dir, args.host or certs.DEFAULT_COORDINATOR_HOSTS)
+        print(
+            f"CA {ca} and coordinator certificate written; serve with\n"
+            f"  swarm-coordinator serve --tls-ca {ca} --tls-cert {args.dir}/coordinator.pem "
+            f"--tls-key {args.dir}/coordinator.key\n"
+            f"keep {args.dir}/ca.key offline; give each node ca.pem and its own pair (swarm certs issue)"
+        )
+        return 0
+    cert = certs.issue_node(args.dir, args.name, args.host)
+    key = cert.with_suffix(".key")
+    print(
+        f"{cert} written; join with\n"
+        f"  swarm-node join --tls-ca {args.dir}/ca.pem --tls-cert {cert} --tls-key {key}"
     )
     return 0
 
@@ -259,13 +288,28 @@ def main(argv: list[str] | None = None) -> int:
         metavar="P",
         help="serve /metrics: the coordinator on P (with /status), node i on P+1+i; printed at start",
     )
+    p.add_argument("--tls", action="store_true", help="a fresh CA in --run-dir/certs; mutual TLS everywhere")
     p.set_defaults(func=cmd_up)
     p = sub.add_parser("status", help="show a running swarm: the run, and a table of its nodes")
     p.add_argument("--coordinator", required=True, help="HOST:PORT of the coordinator's gRPC service")
     p.add_argument("--watch", type=float, metavar="SECONDS", help="refresh this often until Ctrl-C")
     p.add_argument("--json", action="store_true", help="print the JSON document (as its HTTP /status)")
     p.add_argument("--timeout", type=float, default=10.0, help="seconds to wait for the coordinator")
+    tls_arguments(p, server=False)
     p.set_defaults(func=cmd_status)
+    p = sub.add_parser("certs", help="create the swarm's CA and sign coordinator and node certificates (TLS)")
+    p.add_argument(
+        "action", choices=["init", "issue"], help="init: a new CA + coordinator certificate; issue: a node's"
+    )
+    p.add_argument("--dir", default="swarm-certs", help="folder of the CA and the certificates")
+    p.add_argument("--name", default="node", help="issue: the certificate's name (NAME.pem, NAME.key)")
+    p.add_argument(
+        "--host",
+        action="append",
+        default=[],
+        help="host name or IP the certificate names (repeatable; init default: localhost, 127.0.0.1)",
+    )
+    p.set_defaults(func=cmd_certs)
     p = sub.add_parser("generate", help="sample text from a trained model folder (KV-cached)")
     p.add_argument(
         "--model", required=True, help="model folder (swarm train --out X: X/model; a coordinator's)"
@@ -286,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--boundary", default="subspace", help="the servers' --boundary (subspace or dense)")
     p.add_argument("--format", default="bf16", help="the servers' --format (fp32, bf16, int8_row)")
+    tls_arguments(p, server=False)
     p.set_defaults(func=cmd_generate)
     p = sub.add_parser("export", help="export a trained model folder to Hugging Face transformers (LLaMA)")
     p.add_argument("--model", required=True, help="model folder")

@@ -196,6 +196,10 @@ class RunConfig:
             raise ValueError("codec 'subspace' needs model.subspace_rank > 0")
         if self.train.batch_size % self.train.microbatches:
             raise ValueError("train.batch_size must be a multiple of train.microbatches")
+        if self.train.seq_len > self.model.max_seq_len:
+            raise ValueError(
+                f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
+            )
         if self.emulation.profile:
             load_profile(self.emulation.profile)
             check_emulable(self)

@@ -23,6 +23,7 @@ import asyncio
 import os
 import re
 import secrets
+import shutil
 import signal
 import subprocess
 import sys
@@ -34,11 +35,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import grpc
 from tqdm import tqdm
 
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
 from swarm.chaos import ChaosMonkey
+from swarm.transport.tls import INSECURE, Security, cli_flags
 
 if TYPE_CHECKING:  # not imported at run time: the relay process starts without torch
     from swarm.config import RunConfig
@@ -172,6 +173,7 @@ def up(
     chaos_s: float = 0.0,
     chaos_seed: int = 0,
     metrics_base_port: int | None = None,
+    tls: bool = False,
 ) -> SwarmSummary:
     """Run ``config`` on a local swarm; returns when every node has finished (or raises).
 
@@ -182,7 +184,9 @@ def up(
     for very slow links, where heartbeats queue behind the frames). ``standbys``: extra nodes
     that wait to replace a lost one. ``chaos_s > 0``: kill a random stage host that often.
     ``metrics_base_port``: the coordinator serves ``/metrics`` and ``/status`` on it, node ``i``
-    ``/metrics`` on the next ports (printed); None: no metrics endpoints.
+    ``/metrics`` on the next ports (printed); None: no metrics endpoints. ``tls``: a fresh CA
+    in ``run_dir/certs`` and mutual TLS on every channel; otherwise clear text (``--insecure``
+    where an address is not loopback).
     """
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -196,6 +200,7 @@ def up(
     status_socket = Path(tempfile.gettempdir()) / f"swarm-status-{token[:16]}.sock"
     group = ProcessGroup()
     py = sys.executable
+    security, flags = _transport_security(run, tls, coordinator_host, node_host is not None)
     try:
         coord_lines: list[str] = []
         coord_args = [*(coordinator_prefix or []), py, "-m", "coordinator.cli", "serve"]
@@ -209,6 +214,7 @@ def up(
         ]
         coord_args += ["--host", coordinator_host] if coordinator_host else []
         coord_args += [] if use_dht else ["--no-dht"]
+        coord_args += flags("coordinator")
         secret = {"SWARM_TOKEN": token}  # in the environment: a command line is visible in ps
         coord = group.start(coord_args, run / "coordinator.err", env=secret)
         tee(coord, run / "coordinator.log", coord_lines)
@@ -244,6 +250,7 @@ def up(
                 f"node{i}",
             ]
             args += [] if use_dht else ["--no-dht"]
+            args += flags(f"node{i}")
             if metrics_base_port is not None:
                 args += ["--metrics-port", str(metrics_base_port + 1 + i)]
             proc = group.start(args, run / f"node{i}.err", env=secret)
@@ -260,7 +267,7 @@ def up(
                 node_at = node_host(i) if node_host else "127.0.0.1"
                 print(f"metrics: node{i} http://{node_at}:{metrics_base_port + 1 + i}/metrics")
         start = time.monotonic()
-        poller = StatusPoller(status_address)
+        poller = StatusPoller(status_address, security, coordinator_host or "127.0.0.1")
         chaos = ChaosMonkey(chaos_s, chaos_seed) if chaos_s > 0 else None
         killed: set[int] = set()
 
@@ -329,11 +336,37 @@ async def relay(socket_path: str, target: str) -> None:
         await server.serve_forever()
 
 
-class StatusPoller:
-    """Collects the coordinator's per-step summaries (redone steps: their latest run) as the run goes."""
+def _transport_security(
+    run: Path, tls: bool, coordinator_host: str | None, remote_nodes: bool
+) -> tuple[Security, Callable[[str], list[str]]]:
+    """The operator's own security and each process's TLS flags (by certificate name)."""
+    if not tls:
+        insecure = ["--insecure"] if coordinator_host or remote_nodes else []
+        return INSECURE, lambda name: insecure
+    from swarm import certs
 
-    def __init__(self, address: str):
-        self.channel = grpc.insecure_channel(address)
+    folder = run / "certs"
+    shutil.rmtree(folder, ignore_errors=True)
+    certs.init(folder, [coordinator_host or "127.0.0.1", "localhost"])
+    certs.issue_node(folder, "operator")
+
+    def flags(name: str) -> list[str]:
+        if not (folder / f"{name}.pem").exists():
+            certs.issue_node(folder, name)
+        return cli_flags(folder, name)
+
+    key_pair = (folder / "operator.pem", folder / "operator.key")
+    return Security.from_files(folder / "ca.pem", *key_pair, mutual=True), flags
+
+
+class StatusPoller:
+    """Collects the coordinator's per-step summaries (redone steps: their latest run) as the run goes.
+
+    ``server_name``: the name the coordinator's certificate holds (the address may be a relay).
+    """
+
+    def __init__(self, address: str, security: Security = INSECURE, server_name: str | None = None):
+        self.channel = security.channel(address, server_name=server_name)
         self.stub = coordinator_pb2_grpc.CoordinatorStub(self.channel)
         self.steps: list[coordinator_pb2.StepSummary] = []
         self.nodes: list[coordinator_pb2.NodeStatus] = []

@@ -26,6 +26,7 @@ from swarm.inference import ClientHead
 from swarm.model_io import TrainedModel
 from swarm.transport.channel import channel_options
 from swarm.transport.frames import activation_from_proto
+from swarm.transport.tls import INSECURE, NODE_SERVER_NAME, Security
 
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)  # our request is wrong
 
@@ -44,9 +45,9 @@ def parse_servers(specs: list[str]) -> dict[int, list[str]]:
 class StageSession:
     """One session on one server: a bidirectional stream driven one request at a time."""
 
-    def __init__(self, address: str, timeout_s: float):
+    def __init__(self, address: str, timeout_s: float, security: Security = INSECURE):
         self.address = address
-        self.channel = grpc.insecure_channel(address, options=channel_options())
+        self.channel = security.channel(address, channel_options(), NODE_SERVER_NAME)
         self._requests: queue.Queue = queue.Queue()
         stub = inference_pb2_grpc.InferenceStub(self.channel)
         self._replies = stub.Session(iter(self._requests.get, None), timeout=timeout_s)
@@ -85,12 +86,19 @@ class SwarmGenerator:
     """Sessions on one server per stage, failing over to the next listed; ``head`` turns the last
     stage's frame into logits (it must match the servers' ``--boundary`` and ``--format``)."""
 
-    def __init__(self, servers: dict[int, list[str]], head: ClientHead, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        servers: dict[int, list[str]],
+        head: ClientHead,
+        timeout_s: float = 600.0,
+        security: Security = INSECURE,
+    ):
         n_stages = max(servers, default=-1) + 1
         missing = [s for s in range(n_stages) if not servers.get(s)]
         if missing:
             raise ValueError(f"no server given for stages {missing}")
         self.servers, self.n_stages, self.head, self.timeout_s = servers, n_stages, head, timeout_s
+        self.security = security
         self.session_id = uuid.uuid4().hex
         self.dead: set[str] = set()
         self.sessions: dict[int, StageSession] = {}
@@ -103,7 +111,7 @@ class SwarmGenerator:
             alive = [a for a in self.servers[stage] if a not in self.dead]
             if not alive:
                 raise RuntimeError(f"every server of stage {stage} failed: {self.servers[stage]}")
-            self.sessions[stage] = StageSession(alive[0], self.timeout_s)
+            self.sessions[stage] = StageSession(alive[0], self.timeout_s, self.security)
         return self.sessions[stage]
 
     def _call(self, stage: int, request: inference_pb2.InferenceRequest) -> inference_pb2.InferenceReply:
@@ -167,6 +175,7 @@ def generate_remote(
     servers: dict[int, list[str]],
     boundary: str = "subspace",
     tensor_format: str = "bf16",
+    security: Security = INSECURE,
 ) -> tuple[str, GenerationStats]:
     """``prompt`` and its continuation generated through ``servers``, and what it cost."""
     m, tokenizer = trained.config.model, trained.tokenizer()
@@ -174,7 +183,7 @@ def generate_remote(
     check_prompt(prompt_ids, m.vocab_size, m.max_seq_len)
     if sorted(servers) != list(range(trained.config.n_stages)):
         raise ValueError(f"give servers for each of the model's {trained.config.n_stages} stages")
-    swarm = SwarmGenerator(servers, ClientHead(trained, boundary, tensor_format))
+    swarm = SwarmGenerator(servers, ClientHead(trained, boundary, tensor_format), security=security)
     try:
         ids = sample(prompt_ids, sampling, m.max_seq_len, swarm.logits_after)
     finally:

@@ -22,7 +22,7 @@ from swarm.codecs.base import EncodedTensor, StaleVersionError
 from swarm.config import config_hash
 from swarm.metrics import Metrics
 from swarm.pipeline import LocalPipeline
-from swarm.transport.channel import insecure_channel, server_options
+from swarm.transport.channel import open_channel, server_options
 from swarm.transport.frames import to_message
 from swarm.transport.shaper import LinkProfile
 from swarm.wire import ActivationFrame, GradientFrame
@@ -146,7 +146,7 @@ async def hold(boundary: int, link: StageLink) -> None:
 def test_hello_from_another_epoch_or_unplanned_node_is_refused(identity: RunIdentity):
     async def main() -> None:
         async with stage_server(refuse_all) as server:
-            channel = insecure_channel(server.address)
+            channel = open_channel(server.address)
             try:
                 call = stage_pb2_grpc.StageStub(channel).Exchange()
                 await call.write(hello(identity, 0, 0, SECRET))
@@ -165,7 +165,7 @@ def test_a_stream_without_a_hello_is_dropped(monkeypatch):
 
     async def main() -> None:
         async with stage_server(refuse_all) as server:
-            channel = insecure_channel(server.address)
+            channel = open_channel(server.address)
             try:
                 call = stage_pb2_grpc.StageStub(channel).Exchange()
                 assert await asyncio.wait_for(call.read(), 5) is grpc.aio.EOF  # the server ended it
@@ -180,7 +180,7 @@ def test_service_without_a_plan_refuses_every_stream():
     async def main() -> None:
         async with stage_server(refuse_all) as server:
             server.service.acceptor = None  # between epochs, or before the first plan
-            channel = insecure_channel(server.address)
+            channel = open_channel(server.address)
             try:
                 stub = stage_pb2_grpc.StageStub(channel)
                 call = stub.Exchange()
@@ -370,7 +370,7 @@ def test_malformed_messages_are_answered_counted_and_survived():
 
     async def main() -> None:
         async with stage_server(attach) as server:
-            channel = insecure_channel(server.address)
+            channel = open_channel(server.address)
             try:
                 stub = stage_pb2_grpc.StageStub(channel)
                 call = stub.Exchange()

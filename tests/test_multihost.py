@@ -15,7 +15,17 @@ from pathlib import Path
 import pytest
 
 from bench import multihost
-from bench.multihost import COORDINATOR, DIAL_ONLY_NODE, INBOUND_NODE, METRICS_PORT, ROLES, MultiHostPlan
+from bench.multihost import (
+    CERTS,
+    COORDINATOR,
+    DIAL_ONLY_NODE,
+    INBOUND_NODE,
+    ISSUE,
+    METRICS_PORT,
+    ROLES,
+    STATUS,
+    MultiHostPlan,
+)
 from bench.netns import available
 from swarm.config import MODEL_PRESETS, TrainConfig
 from tests.test_deploy import dashboard_exprs
@@ -32,7 +42,7 @@ STEPS = 8
 
 def test_readme_quotes_the_recipe_this_test_runs():
     readme = ROOT.joinpath("README.md").read_text()
-    for line in (COORDINATOR, INBOUND_NODE, DIAL_ONLY_NODE):
+    for line in (CERTS, ISSUE, COORDINATOR, INBOUND_NODE, DIAL_ONLY_NODE, STATUS):
         assert line in readme, f"README's multi-host section lacks: {line}"
 
 
@@ -128,8 +138,8 @@ def test_every_process_reports_healthy(swarm):
     for i, role in enumerate(ROLES):
         if role != "dial-only":  # it has no gRPC port; its HTTP endpoint answers below
             # Lingering after the run: the process is up, its Stage service takes no more streams.
-            assert swarm.health(f"{swarm.host_ip(i)}:7100") == "SERVING"
-            assert swarm.health(f"{swarm.host_ip(i)}:7100", "swarm.v1.Stage") == "NOT_SERVING"
+            assert swarm.health(f"{swarm.host_ip(i)}:7100", node=True) == "SERVING"
+            assert swarm.health(f"{swarm.host_ip(i)}:7100", "swarm.v1.Stage", node=True) == "NOT_SERVING"
         assert swarm.fetch(f"http://{swarm.host_ip(i)}:{METRICS_PORT}/healthz") == b"ok\n"
 
 

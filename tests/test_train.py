@@ -14,7 +14,9 @@ from swarm.train import train
 
 @pytest.fixture(scope="module")
 def dataset(tmp_path_factory):
-    config = RunConfig(model=MODEL_PRESETS["tiny"], codec=CodecConfig(kind="identity"))
+    config = RunConfig(
+        model=MODEL_PRESETS["tiny"], codec=CodecConfig(kind="identity"), train=TrainConfig(seq_len=64)
+    )
     return load_dataset(config, cache_dir=tmp_path_factory.mktemp("cache"))
 
 
@@ -62,3 +64,8 @@ def test_cli_train_writes_summary(tmp_path, capsys, monkeypatch):
 def test_cli_rejects_bad_configuration(capsys):
     assert main(["train", "--codec", "subspace", "--rank", "0", "--steps", "1"]) == 2
     assert "subspace_rank" in capsys.readouterr().err
+
+
+def test_a_sequence_longer_than_the_model_context_is_refused_at_configuration():
+    with pytest.raises(ValueError, match="train.seq_len=128 exceeds model.max_seq_len=64"):
+        RunConfig(model=MODEL_PRESETS["tiny"], train=TrainConfig(seq_len=128))

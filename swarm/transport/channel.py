@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import grpc
 
+from swarm.transport.tls import INSECURE, Security
+
 MAX_MESSAGE_BYTES = 64 << 20
 
 
@@ -51,5 +53,11 @@ def server_options(keepalive: KeepAlive = DEFAULT_KEEPALIVE) -> list[tuple[str, 
     ]
 
 
-def insecure_channel(address: str, keepalive: KeepAlive = DEFAULT_KEEPALIVE) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=channel_options(keepalive))
+def open_channel(
+    address: str,
+    security: Security = INSECURE,
+    keepalive: KeepAlive = DEFAULT_KEEPALIVE,
+    server_name: str | None = None,
+) -> grpc.aio.Channel:
+    """An asyncio channel with our limits and keepalive (``server_name``: :meth:`Security.aio_channel`)."""
+    return security.aio_channel(address, channel_options(keepalive), server_name)

@@ -1,0 +1,196 @@
+"""TLS: `swarm certs`, a TLS coordinator that only the swarm's CA opens, mutual TLS, the CLI's refusals,
+and a mutual-TLS swarm training end to end (real processes on loopback)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import stat
+import sys
+from pathlib import Path
+
+import grpc
+import pytest
+from cryptography import x509
+
+from coordinator.service import CoordinatorServer, CoordinatorService
+from swarm import certs
+from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
+from swarm.metrics import Metrics
+from swarm.transport import tls
+from swarm.transport.tls import NODE_SERVER_NAME, Security
+from tests import procs
+from tests.helpers import tiny_config
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    """A CA with the coordinator's certificate and one node's, and a second, unrelated CA."""
+    root = tmp_path_factory.mktemp("pki")
+    certs.init(root / "swarm")
+    certs.issue_node(root / "swarm", "node0")
+    certs.init(root / "other")
+    certs.issue_node(root / "other", "node0")
+    return root
+
+
+def security(directory: Path, name: str | None = None, mutual: bool = False) -> Security:
+    cert, key = (directory / f"{name}.pem", directory / f"{name}.key") if name else (None, None)
+    return Security.from_files(directory / "ca.pem", cert, key, mutual)
+
+
+def test_certs_name_hosts_serve_both_ways_and_keep_keys_private(pki: Path):
+    folder = pki / "swarm"
+    coordinator = x509.load_pem_x509_certificate((folder / "coordinator.pem").read_bytes())
+    node = x509.load_pem_x509_certificate((folder / "node0.pem").read_bytes())
+    ca = x509.load_pem_x509_certificate((folder / "ca.pem").read_bytes())
+    for cert in (coordinator, node):
+        cert.verify_directly_issued_by(ca)
+        usages = cert.extensions.get_extension_for_class(x509.ExtendedKeyUsage).value
+        assert {u.dotted_string for u in usages} == {"1.3.6.1.5.5.7.3.1", "1.3.6.1.5.5.7.3.2"}
+    names = coordinator.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert names.get_values_for_type(x509.DNSName) == ["localhost"]
+    assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
+    node_names = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+    assert node_names.get_values_for_type(x509.DNSName) == [NODE_SERVER_NAME]
+    for key in ("ca.key", "coordinator.key", "node0.key"):
+        assert stat.S_IMODE(os.stat(folder / key).st_mode) == 0o600
+    with pytest.raises(FileExistsError):
+        certs.init(folder)  # an existing CA is never overwritten
+    with pytest.raises(FileExistsError):
+        certs.issue_node(folder, "node0")
+    with pytest.raises(ValueError):
+        certs.issue_node(folder, "../escape")
+
+
+def test_security_files_are_checked(pki: Path, tmp_path: Path):
+    folder = pki / "swarm"
+    with pytest.raises(ValueError, match="needs its key"):
+        Security.from_files(folder / "ca.pem", folder / "node0.pem", None)
+    with pytest.raises(ValueError, match="mutual TLS needs"):
+        Security.from_files(folder / "ca.pem", mutual=True)
+    (tmp_path / "junk.pem").write_text("not a certificate")
+    with pytest.raises(ValueError, match="no PEM certificate"):
+        Security.from_files(tmp_path / "junk.pem")
+
+
+async def _status(address: str, client: Security | None, server_name: str | None = None) -> grpc.StatusCode:
+    """The status code of one Status call (OK when it succeeds); ``client`` None: clear text."""
+    channel = (client or tls.INSECURE).aio_channel(address, server_name=server_name)
+    try:
+        stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        await stub.Status(coordinator_pb2.StatusRequest(), timeout=3)
+        return grpc.StatusCode.OK
+    except grpc.aio.AioRpcError as e:
+        return e.code()
+    finally:
+        await channel.close()
+
+
+@pytest.mark.parametrize("mutual", [False, True], ids=["tls", "mutual-tls"])
+def test_a_tls_coordinator_opens_only_to_the_swarms_ca(pki: Path, tmp_path: Path, mutual: bool):
+    swarm, other = pki / "swarm", pki / "other"
+
+    async def scenario() -> dict[str, grpc.StatusCode]:
+        service = CoordinatorService(
+            tiny_config(),
+            "token",
+            tmp_path / "state.sqlite",
+            None,
+            Metrics("coordinator"),
+            [],
+            security=security(swarm, "coordinator", mutual),
+        )
+        async with CoordinatorServer(service) as server:
+            address = f"127.0.0.1:{server.port}"
+            return {
+                "member": await _status(address, security(swarm, "node0")),
+                "ca only": await _status(address, security(swarm)),
+                "clear text": await _status(address, None),
+                "other CA": await _status(address, security(other, "node0")),
+                "wrong name": await _status(address, security(swarm, "node0"), server_name="example.org"),
+            }
+
+    codes = asyncio.run(asyncio.wait_for(scenario(), 30))
+    unavailable = grpc.StatusCode.UNAVAILABLE
+    expected = {
+        "member": grpc.StatusCode.OK,
+        "ca only": unavailable if mutual else grpc.StatusCode.OK,  # no client certificate
+        "clear text": unavailable,
+        "other CA": unavailable,
+        "wrong name": unavailable,
+    }
+    assert codes == expected
+
+
+def _args(**flags) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    tls.add_arguments(parser)
+    argv = []
+    for name, value in flags.items():
+        option = "--" + name.replace("_", "-")
+        argv += [option] if value is True else [option, str(value)]
+    return parser.parse_args(argv)
+
+
+def refusal(args: argparse.Namespace, addresses: list[str], capsys, server: bool = True) -> str:
+    """What ``tls.from_args`` tells the user before exiting with status 2."""
+    with pytest.raises(SystemExit) as exit_:
+        tls.from_args(args, "t", addresses, server)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+def test_clear_text_needs_loopback_or_an_explicit_insecure(pki: Path, caplog, capsys):
+    assert tls.from_args(_args(), "t", ["127.0.0.1:5000", "[::1]:1", "localhost:2", ""]) is tls.INSECURE
+    assert "0.0.0.0:5000 is not loopback" in refusal(_args(), ["0.0.0.0:5000"], capsys)
+    assert "10.0.0.1:7000 is not loopback" in refusal(_args(), ["127.0.0.1:1", "10.0.0.1:7000"], capsys)
+    assert tls.from_args(_args(insecure=True), "t", ["0.0.0.0:5000"]) is tls.INSECURE
+    assert "clear-text gRPC" in caplog.text
+    ca = pki / "swarm/ca.pem"
+    assert "needs --tls-cert and --tls-key" in refusal(_args(tls_ca=ca), [], capsys)
+    assert "contradict" in refusal(_args(tls_ca=ca, insecure=True), [], capsys)
+    assert "need --tls-ca" in refusal(_args(mutual_tls=True), [], capsys)
+    assert "cannot use the TLS files" in refusal(_args(tls_ca=pki / "missing.pem"), [], capsys, server=False)
+    client = tls.from_args(_args(tls_ca=ca), "t", ["10.0.0.1:1"], server=False)
+    assert client.tls and client.cert is None
+
+
+def test_coordinator_cli_refuses_clear_text_on_a_public_address(tmp_path: Path):
+    procs_list: list[procs.Proc] = []
+    try:
+        args = [sys.executable, "-m", "coordinator.cli", "serve", "--no-dht", "--metrics-port", "-1"]
+        args += ["--host", "0.0.0.0", "--state", str(tmp_path / "s.sqlite")]
+        procs_list.append(procs.Proc(args, tmp_path / "c.err"))
+        assert procs_list[0].wait(30) == 2
+        assert "is not loopback" in procs_list[0].stderr()
+    finally:
+        for p in procs_list:
+            p.stop()
+
+
+@pytest.mark.timeout(240)
+def test_a_mutual_tls_swarm_trains(tmp_path: Path):
+    """Coordinator and two nodes on mutual TLS; the run completes; Status needs a certificate."""
+    pki = tmp_path / "pki"
+    certs.init(pki)
+    for name in ("a", "b"):
+        certs.issue_node(pki, name)
+
+    with procs.processes() as running:
+        address = procs.coordinator(
+            running, tmp_path, 6, *tls.cli_flags(pki, "coordinator"), port=procs.free_port()
+        )
+        nodes = [
+            procs.node(running, tmp_path, name, address, *tls.cli_flags(pki, name)) for name in ("a", "b")
+        ]
+        for n in nodes:
+            assert n.wait(180) == 0, n.stderr()
+        client = security(pki, "a")
+        with client.channel(address) as channel:
+            reply = coordinator_pb2_grpc.CoordinatorStub(channel).Status(
+                coordinator_pb2.StatusRequest(), timeout=5
+            )
+        assert reply.run_complete and len(reply.steps) == 6
+        assert asyncio.run(_status(address, security(pki))) == grpc.StatusCode.UNAVAILABLE
