@@ -16,18 +16,18 @@ import argparse
 import asyncio
 import contextlib
 import logging
-import secrets
 import signal
 import sqlite3
 import sys
+import time
 import tomllib
 from dataclasses import dataclass
-from pathlib import Path
 
 import uvloop
 
 from coordinator.service import CoordinatorServer, CoordinatorService, host_port
-from coordinator.sessions import kept_secret
+from coordinator.state import CoordinatorState
+from coordinator.tokens import JoinTokens
 from swarm import join_token, logs
 from swarm.config import RunConfig
 from swarm.metrics import Metrics
@@ -86,6 +86,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     export.add_argument("--state", default="./coordinator.sqlite", help="the coordinator's SQLite state file")
     export.add_argument("--out", required=True, help="model folder to write (replaced if present)")
+    token = sub.add_parser(
+        "token",
+        help="create, list or revoke join tokens (works while the coordinator serves)",
+        description="Tokens are kept in the state file as SHA-256 digests; a new token is printed once. "
+        "Revoking one refuses its Join at once and evicts the nodes admitted with it at their next call.",
+    )
+    token.add_argument("action", choices=["create", "list", "revoke"])
+    token.add_argument("id", nargs="?", help="revoke: the token's id (or a unique prefix of it)")
+    token.add_argument("--state", default="./coordinator.sqlite", help="the coordinator's SQLite state file")
+    token.add_argument("--label", default="", help="create: who or what the token is for")
     return parser
 
 
@@ -173,11 +183,38 @@ def export(state: str, out: str) -> int:
     return 0
 
 
+def manage_tokens(args: argparse.Namespace) -> int:
+    """``swarm-coordinator token create|list|revoke``: the new token alone on stdout (create)."""
+    state = CoordinatorState(args.state)
+    try:
+        tokens = JoinTokens(state.db)
+        if args.action == "create":
+            secret, record = tokens.create(args.label)
+            print(secret)
+            print(f"token {record.id} created; it is shown only this once", file=sys.stderr)
+        elif args.action == "revoke":
+            record = tokens.revoke(args.id or "")
+            print(f"token {record.id} ({record.label or 'no label'}) revoked")
+        else:
+            for r in tokens.list():
+                created = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.created))
+                revoked = time.strftime("%Y-%m-%d %H:%M", time.localtime(r.revoked)) if r.revoked else "-"
+                print(f"{r.id}  created {created}  revoked {revoked:16}  {r.label}")
+    except (ValueError, sqlite3.Error) as e:
+        print(f"swarm-coordinator token: {e}", file=sys.stderr)
+        return 2
+    finally:
+        state.close()
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point of ``swarm-coordinator``."""
     args = build_parser().parse_args(argv)
     if args.command == "export":
         return export(args.state, args.out)
+    if args.command == "token":
+        return manage_tokens(args)
     logs.setup(args.log_format, logging.INFO)
     try:
         config = load_config(args.config)
@@ -185,11 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"swarm-coordinator: cannot load run configuration {args.config}: {e}", file=sys.stderr)
         return 2
     security = tls.from_args(args, "swarm-coordinator", [host_port(args.host, args.port)])
-    token = join_token.from_args(args, "swarm-coordinator")
-    if token is None:
-        path = Path(args.state).with_name(Path(args.state).name + ".token")
-        token = kept_secret(path, lambda: secrets.token_urlsafe(24))
-        log.warning("no join token given: nodes join with the one in %s (mode 0600)", path)
+    token = join_token.from_args(args, "swarm-coordinator")  # None: the state's, or STATE.token
     where = Endpoints(
         host=args.host,
         port=args.port,

@@ -26,6 +26,7 @@ import contextlib
 import hashlib
 import hmac
 import logging
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -37,9 +38,10 @@ import grpc
 from coordinator.assignment import assign, links_for, stages_of
 from coordinator.export import artifact_store, default_model_dir, trained_model
 from coordinator.rotation import Rejected, RotationCollector
-from coordinator.sessions import Sessions
+from coordinator.sessions import SESSION_TTL_S, Session, SessionRefused, Sessions, kept_secret
 from coordinator.state import CheckpointRecord, CoordinatorState, NodeRecord, SavedStatistic
 from coordinator.store import UploadError
+from coordinator.tokens import JoinTokens
 from swarm import model_io
 from swarm._proto.swarm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
 from swarm.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
@@ -71,7 +73,8 @@ _REJECTION_STATUS = {
 class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     """Membership, stage assignment, artifacts, rotations and progress of one run.
 
-    ``token`` is the join secret; ``state_path`` the SQLite file (created, or resumed if it
+    ``token``: a join token the operator gave (recorded unless known; more are made with
+    ``swarm-coordinator token create``); ``state_path`` the SQLite file (created, or resumed if it
     holds this run); ``run_id`` names a new run (None: a fresh id); ``dht_peers`` are the
     multiaddrs handed to joining nodes; ``security`` the TLS of its server and of the Pings it
     sends nodes. Call :meth:`start` on the serving loop and
@@ -81,7 +84,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     def __init__(
         self,
         config: RunConfig,
-        token: str,
+        token: str | None,
         state_path: str | Path,
         run_id: str | None,
         metrics: Metrics,
@@ -89,12 +92,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         dead_after_s: float = 15.0,
         heartbeat_interval_ms: int = 1000,
         security: Security = INSECURE,
+        session_ttl_s: float = SESSION_TTL_S,
     ):
         self.config = config
         self.security = security
         self.config_json = config.to_json()
         self.config_hash = config_hash(config)
-        self.token = token.encode()
         self.metrics = metrics
         self.dht_peers = list(dht_peers)
         self.dead_after_s = dead_after_s
@@ -109,7 +112,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.link_key = run.auth_token.encode()  # the run's secret: boundary link secrets derive from it
         self.resume_step, self.restarts = run.resume_step, run.restarts
         state_file = Path(state_path)
-        self.sessions = Sessions(state_file.with_name(state_file.name + ".session-key"))
+        self.tokens = JoinTokens(self.state.db)
+        self._admit_with(token, state_file)
+        key_path = state_file.with_name(state_file.name + ".session-key")
+        self.sessions = Sessions(key_path, self.tokens.revoked, session_ttl_s)
         self.store = artifact_store(state_file, MAX_SNAPSHOT_BYTES)
         self.checkpoints = {(r.step, r.stage): r for r in self.state.checkpoints()}
         self.completed = self.state.completed_step(config.n_stages)
@@ -118,6 +124,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.model_dir: Path | None = default_model_dir(state_path)  # where the final model goes
         self._export_task: asyncio.Task | None = None
         self.leaving: set[str] = set()  # nodes that asked for a final cut and will Leave after it
+        self.accused: dict[str, set[str]] = {}  # accuser -> the nodes its bad-input reports evicted
         fixed, basis = initial_artifacts(config)
         embedding = matrix_to_bytes(fixed)
         self.embedding_digest = digest(embedding)
@@ -139,6 +146,20 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.reaper: asyncio.Task[None] | None = None
         metrics.subspace_version.set(self.rotation.version)
         self._update_alive()
+
+    def _admit_with(self, token: str | None, state_file: Path) -> None:
+        """Record the operator's ``token``; with none and no valid token in the state, one kept in
+        ``STATE.token`` (mode 0600, created once)."""
+        if token is None and any(t.revoked is None for t in self.tokens.list()):
+            return
+        if token is None:
+            path = state_file.with_name(state_file.name + ".token")
+            token = kept_secret(path, lambda: secrets.token_urlsafe(32))
+            log.warning("no join token given: nodes join with the one in %s (mode 0600)", path)
+        if self.tokens.add(token, "operator").revoked is not None:
+            log.warning(
+                "the join token given is revoked: no node can join until `swarm-coordinator token create`"
+            )
 
     # -- lifecycle ----------------------------------------------------------------------------
 
@@ -293,23 +314,41 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         node = self.nodes.get(node_id)
         return node if node is not None and node.alive else None
 
-    def _authenticated(self, node_id: str, context: grpc.aio.ServicerContext) -> None:
-        """:class:`Rejected` unless the call carries ``node_id``'s session credential."""
-        if self.sessions.caller(context.invocation_metadata()) != node_id:
-            raise Rejected("auth", f"no valid session credential for node {node_id[:8]!r}")
-
-    async def _require_session(self, node_id: str, context: grpc.aio.ServicerContext) -> None:
-        """Abort the call (UNAUTHENTICATED, counted) unless it carries ``node_id``'s credential."""
+    def _session(self, context: grpc.aio.ServicerContext) -> Session:
+        """The session the call's credential proves, else :class:`Rejected`. A genuine credential
+        under a revoked join token evicts its node (fenced and replaced like a dead one)."""
         try:
-            self._authenticated(node_id, context)
+            return self.sessions.verify(context.invocation_metadata())
+        except SessionRefused as e:
+            node = self._alive_node(e.node_id or "")
+            if e.reason == "revoked" and node is not None:
+                log.warning("node %s evicted: its join token was revoked", node.id[:8])
+                self.metrics.evictions.labels(reason="revoked").inc()
+                self._remove(node)
+            raise Rejected("auth", f"no valid session credential ({e.reason})") from None
+
+    def _authenticated(self, node_id: str, context: grpc.aio.ServicerContext) -> Session:
+        """``node_id``'s session, else :class:`Rejected` (also for another node's credential)."""
+        session = self._session(context)
+        if session.node_id != node_id:
+            raise Rejected("auth", f"no valid session credential for node {node_id[:8]!r}")
+        return session
+
+    async def _require_session(self, node_id: str, context: grpc.aio.ServicerContext) -> Session:
+        """``node_id``'s session; otherwise the call is aborted (UNAUTHENTICATED, counted)."""
+        try:
+            return self._authenticated(node_id, context)
         except Rejected as e:
             await self._refuse(context, e)
 
     async def _require_any_session(self, context: grpc.aio.ServicerContext) -> None:
         """Abort the call unless it carries the credential of a node in the run."""
-        caller = self.sessions.caller(context.invocation_metadata())
-        if caller is None or caller not in self.nodes:
-            await self._refuse(context, Rejected("auth", "this call needs a node's session credential"))
+        try:
+            if self._session(context).node_id in self.nodes:
+                return
+        except Rejected:
+            pass
+        await self._refuse(context, Rejected("auth", "this call needs a node's session credential"))
 
     def _require_member(self, node_id: str, epoch: int, context: grpc.aio.ServicerContext) -> NodeRecord:
         """The alive, authenticated node ``node_id`` following the current epoch, else :class:`Rejected`."""
@@ -348,8 +387,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 "protocol_version",
                 f"protocol version {request.protocol_version}, coordinator speaks {PROTOCOL_VERSION}",
             )
-        if not hmac.compare_digest(request.token.encode(), self.token):
-            await self._reject(context, grpc.StatusCode.UNAUTHENTICATED, "auth", "wrong join token")
+        admitted = self.tokens.check(request.token)
+        if admitted is None:
+            refusal = "unknown or revoked join token"
+            await self._reject(context, grpc.StatusCode.UNAUTHENTICATED, "auth", refusal)
         node = NodeRecord(
             id=uuid.uuid4().hex,
             name=request.node_name,
@@ -373,7 +414,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             embedding_size=len(self.artifacts[self.embedding_digest]),
             subspace_version=self.rotation.version,
             heartbeat_interval_ms=self.heartbeat_interval_ms,
-            session=self.sessions.issue(node.id),
+            session=self.sessions.issue(node.id, admitted.id),
             dht_initial_peers=self.dht_peers,
             plan=self._plan(node),
             run_complete=self.run_complete,
@@ -400,7 +441,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if node is None:
             self.metrics.rejected.labels(reason="unknown_node").inc()
             return coordinator_pb2.HeartbeatReply(known=False, plan_epoch=self.plan_epoch)
-        await self._require_session(request.node_id, context)
+        session = await self._require_session(request.node_id, context)
         self.last_seen[node.id] = time.monotonic()
         self.heartbeats[node.id] = request
         reply = coordinator_pb2.HeartbeatReply(
@@ -409,6 +450,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             subspace_version=self.rotation.version,
             run_complete=self.run_complete,
             cut_requests=self.cut_requests,
+            session=self.sessions.renewal(session) or "",
         )
         if request.plan_epoch != self.plan_epoch:
             reply.plan.CopyFrom(self._plan(node))
@@ -437,14 +479,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             # from that cut (a new epoch now would drop the cut's snapshots still on their way).
             return coordinator_pb2.FailureAck(plan_epoch=self.plan_epoch)
         if request.bad_input and peer is not None and self._neighbours(request.node_id, peer.id):
-            log.warning(
-                "node %s evicted: its neighbour %s received an invalid frame from it: %s",
-                peer.id[:8],
-                request.node_id[:8],
-                request.reason[:200],
-            )
-            self.metrics.evictions.inc()
-            self._remove(peer)
+            self._judge_accusation(self.nodes[request.node_id], peer, request.reason)
             return coordinator_pb2.FailureAck(plan_epoch=self.plan_epoch)
         answered = peer is None or not peer.address or await self._answers(peer)
         # Re-check after the probe: the epoch may have moved on meanwhile.
@@ -456,6 +491,31 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         else:
             self._start_epoch(f"node {request.node_id[:8]}: {request.reason}")
         return coordinator_pb2.FailureAck(plan_epoch=self.plan_epoch)
+
+    def _judge_accusation(self, accuser: NodeRecord, accused: NodeRecord, reason: str) -> None:
+        """Evict the neighbour ``accuser`` received an invalid frame from; but an accuser who already
+        had another node evicted is the suspect (the common factor of two accusations), so it is
+        evicted instead: a lying node costs the run at most one honest node."""
+        earlier = self.accused.setdefault(accuser.id, set()) - {accused.id}
+        if earlier:
+            log.warning(
+                "node %s evicted: it accused a second neighbour (%s, after %s) of invalid frames",
+                accuser.id[:8],
+                accused.id[:8],
+                ", ".join(sorted(n[:8] for n in earlier)),
+            )
+            self.metrics.evictions.labels(reason="accuser").inc()
+            self._remove(accuser)
+            return
+        log.warning(
+            "node %s evicted: its neighbour %s received an invalid frame from it: %s",
+            accused.id[:8],
+            accuser.id[:8],
+            reason[:200],
+        )
+        self.accused[accuser.id].add(accused.id)
+        self.metrics.evictions.labels(reason="bad_input").inc()
+        self._remove(accused)
 
     async def _answers(self, node: NodeRecord) -> bool:
         """Whether a node is alive after all: it answers a Ping within ``PROBE_TIMEOUT_S``, or, failing

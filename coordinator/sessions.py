@@ -1,9 +1,12 @@
 """Per-node session credentials: what proves, on every call after Join, which node is calling.
 
-A node's credential is ``HMAC-SHA256(key, node_id)`` with a key only the coordinator holds
-(a 0600 file next to its state, :func:`kept_secret`, so a restarted coordinator accepts the
-credentials it issued). Nodes send it as gRPC metadata (:mod:`swarm.transport.session`); the coordinator
-checks it in constant time. Node ids are not secrets: ``Status`` may show them.
+A credential is ``TOKEN_ID.EXPIRES.MAC`` with ``MAC = HMAC-SHA256(key, node_id|TOKEN_ID|EXPIRES)``
+under a key only the coordinator holds (a 0600 file next to its state, :func:`kept_secret`, so a
+restarted coordinator accepts the credentials it issued). It names the join token the node was
+admitted with, so revoking that token ends the node's session at once, and it expires
+(``ttl_s``); heartbeats hand out a fresh one when less than half its lifetime is left. Nodes send
+it as gRPC metadata (:mod:`swarm.transport.session`); the coordinator checks it in constant time.
+Node ids are not secrets: ``Status`` may show them.
 """
 
 from __future__ import annotations
@@ -12,10 +15,14 @@ import hashlib
 import hmac
 import os
 import secrets
+import time
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from pathlib import Path
 
 from swarm.transport.session import NODE_KEY, SESSION_KEY
+
+SESSION_TTL_S = 3600.0
 
 
 def kept_secret(path: Path, create: Callable[[], str]) -> str:
@@ -31,10 +38,35 @@ def kept_secret(path: Path, create: Callable[[], str]) -> str:
     return secret
 
 
-class Sessions:
-    """Issues and checks credentials with the key at ``key_path`` (created on first use)."""
+class SessionRefused(Exception):
+    """A call's credential does not hold; ``reason``: missing, forged, expired or revoked.
 
-    def __init__(self, key_path: str | Path):
+    ``node_id`` is set when the credential itself is genuine (expired or revoked).
+    """
+
+    def __init__(self, reason: str, node_id: str | None = None):
+        super().__init__(reason)
+        self.reason, self.node_id = reason, node_id
+
+
+@dataclass(frozen=True)
+class Session:
+    node_id: str
+    token_id: str
+    expires: float
+
+
+class Sessions:
+    """Issues and checks credentials with the key at ``key_path`` (created on first use);
+    ``revoked(token_id)`` says whether a join token no longer admits anyone."""
+
+    def __init__(
+        self,
+        key_path: str | Path,
+        revoked: Callable[[str], bool],
+        ttl_s: float = SESSION_TTL_S,
+        clock: Callable[[], float] = time.time,
+    ):
         path = Path(key_path)
         text = kept_secret(path, lambda: secrets.token_hex(32))
         try:
@@ -43,14 +75,38 @@ class Sessions:
             self._key = b""
         if len(self._key) < 32:
             raise ValueError(f"session key file {path} is damaged ({len(self._key)} bytes)")
+        self.revoked, self.ttl_s, self.clock = revoked, ttl_s, clock
 
-    def issue(self, node_id: str) -> str:
-        return hmac.new(self._key, node_id.encode(), hashlib.sha256).hexdigest()
+    def _mac(self, node_id: str, token_id: str, expires: int) -> str:
+        message = f"{node_id}|{token_id}|{expires}".encode()
+        return hmac.new(self._key, message, hashlib.sha256).hexdigest()
 
-    def caller(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> str | None:
-        """The node id the call's metadata proves, or None."""
+    def issue(self, node_id: str, token_id: str) -> str:
+        """A fresh credential for ``node_id``, admitted with the join token ``token_id``."""
+        expires = int(self.clock() + self.ttl_s)
+        return f"{token_id}.{expires}.{self._mac(node_id, token_id, expires)}"
+
+    def verify(self, metadata: Iterable[tuple[str, str | bytes]] | None) -> Session:
+        """The session the call's metadata proves, or :class:`SessionRefused`."""
         fields = dict(metadata or ())
-        node_id, session = fields.get(NODE_KEY), fields.get(SESSION_KEY)
-        if not isinstance(node_id, str) or not isinstance(session, str):
+        node_id, credential = fields.get(NODE_KEY), fields.get(SESSION_KEY)
+        if not isinstance(node_id, str) or not isinstance(credential, str):
+            raise SessionRefused("missing")
+        token_id, _, rest = credential.partition(".")
+        expires_text, _, mac = rest.partition(".")
+        if not expires_text.isdigit() or len(expires_text) > 12:
+            raise SessionRefused("forged")
+        expires = int(expires_text)
+        if not hmac.compare_digest(self._mac(node_id, token_id, expires), mac):
+            raise SessionRefused("forged")
+        if expires <= self.clock():
+            raise SessionRefused("expired", node_id)
+        if self.revoked(token_id):
+            raise SessionRefused("revoked", node_id)
+        return Session(node_id, token_id, expires)
+
+    def renewal(self, session: Session) -> str | None:
+        """A fresh credential when less than half of ``session``'s lifetime is left, else None."""
+        if session.expires - self.clock() >= self.ttl_s / 2:
             return None
-        return node_id if hmac.compare_digest(self.issue(node_id), session) else None
+        return self.issue(session.node_id, session.token_id)

@@ -9,7 +9,9 @@ coordinator gives every node a fresh grace period anyway.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import secrets
 import sqlite3
 import time
@@ -87,6 +89,8 @@ class CoordinatorState:
 
     def __init__(self, path: str | Path):
         self.path = str(path)
+        with contextlib.suppress(FileExistsError):  # it holds the run's secrets: owner only
+            os.close(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(SCHEMA)

@@ -38,6 +38,11 @@ def token_digest(token: str) -> str:
     return hashlib.sha256(token.encode()).hexdigest()
 
 
+def token_id(token: str) -> str:
+    """What names ``token`` in listings and in the session credentials issued under it."""
+    return token_digest(token)[:ID_CHARS]
+
+
 class JoinTokens:
     """The join tokens of the run whose state is ``db``."""
 
@@ -58,7 +63,7 @@ class JoinTokens:
         digest = token_digest(token)
         self.db.execute(
             "INSERT OR IGNORE INTO join_tokens VALUES (?, ?, ?, ?, NULL)",
-            (digest[:ID_CHARS], digest, label, time.time()),
+            (token_id(token), digest, label, time.time()),
         )
         return self._record("digest = ?", digest)
 

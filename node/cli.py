@@ -13,7 +13,7 @@ from pathlib import Path
 
 import uvloop
 
-from node.coordinator_client import CoordinatorUnreachable, Fenced
+from node.coordinator_client import CoordinatorUnreachable, Fenced, JoinRefused
 from node.daemon import NodeDaemon
 from node.settings import NodeSettings, Timeouts
 from swarm import join_token, logs
@@ -184,6 +184,9 @@ async def _follow(daemon: NodeDaemon, settings: NodeSettings, linger_s: float) -
     except CoordinatorUnreachable as e:
         say(f"node gave up: {e}")
         return 4
+    except JoinRefused as e:
+        say(f"node not admitted: {e}")
+        return 5
     if result.left_early:
         cut = result.final_cut
         where = f" after a snapshot cut at step {cut} (stages {result.stages})" if cut is not None else ""

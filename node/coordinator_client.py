@@ -44,6 +44,11 @@ class Fenced(RuntimeError):
     """The coordinator no longer counts this node in the run (declared dead and replaced)."""
 
 
+class JoinRefused(RuntimeError):
+    """The coordinator will not admit this node: its join token is wrong or revoked, or it speaks
+    another protocol version. Retrying cannot help."""
+
+
 class CoordinatorUnreachable(RuntimeError):
     """The coordinator stayed unreachable for longer than ``Timeouts.coordinator_down_s``."""
 
@@ -103,7 +108,9 @@ class CoordinatorClient:
             except grpc.aio.AioRpcError as e:
                 if progress is not None and progress() > done:
                     done, deadline, delay = progress(), loop.time() + t.coordinator_down_s, t.retry_initial_s
-                if e.code() == grpc.StatusCode.PERMISSION_DENIED:
+                if e.code() == grpc.StatusCode.PERMISSION_DENIED or (
+                    e.code() == grpc.StatusCode.UNAUTHENTICATED and self.credentials
+                ):  # replaced, or our session ended (join token revoked)
                     self._fence(e.details())
                 if not retry or e.code() not in RETRYABLE:
                     raise
@@ -171,6 +178,8 @@ class CoordinatorClient:
         reply = await self.call("Heartbeat", request, retry=False)
         if not reply.known:
             self._fence("heartbeat answered: unknown node")
+        if reply.session:
+            self.credentials = session_metadata(self.node_id, reply.session)
         changed = False
         if reply.HasField("plan") and reply.plan.epoch != epoch:
             self.plan, changed = reply.plan, True

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import grpc
 import torch
 
-from node.coordinator_client import CoordinatorClient, CoordinatorUnreachable, Fenced
+from node.coordinator_client import CoordinatorClient, CoordinatorUnreachable, Fenced, JoinRefused
 from node.link_manager import LinkManager, unreachable_boundaries
 from node.links import CLOSE_FLUSH_S, BadFrameError, LinkError, RunIdentity
 from node.settings import NodeSettings
@@ -396,7 +396,9 @@ class NodeDaemon:
         try:
             reply = await self.client.join(request)
         except grpc.aio.AioRpcError as e:
-            raise RuntimeError(f"join refused by {s.coordinator}: {e.code().name}: {e.details()}") from None
+            final = e.code() in (grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.FAILED_PRECONDITION)
+            error = JoinRefused if final else RuntimeError
+            raise error(f"join refused by {s.coordinator}: {e.code().name}: {e.details()}") from None
         if self.service is not None:
             self.service.node_id = reply.node_id
         return reply

@@ -29,6 +29,7 @@ from swarm.config import RunConfig
 from swarm.data import BatchSampler, TokenDataset, batch_ids
 from swarm.logs import say
 from swarm.metrics import Metrics
+from swarm.norm_guard import NormBound
 from swarm.subspace import initial_basis
 from swarm.worker import StageWorker
 
@@ -141,7 +142,9 @@ class StageHost:
         basis = initial_basis(self.config)
         t = self.config.train
         for s in self.plan.stages:
-            worker = StageWorker(self.config, s, self.fixed, basis, device=self.device)
+            worker = StageWorker(
+                self.config, s, self.fixed, basis, device=self.device, norm_bound=NormBound()
+            )
             sampler = None
             if worker.is_first:
                 sampler = BatchSampler(self.dataset().train, t.batch_size, t.seq_len, t.seed)

@@ -168,7 +168,9 @@ class Metrics:
         )
         self.evictions = Counter(
             "swarm_evictions",
-            "Nodes evicted because a neighbour received invalid frames from them",
+            "Nodes evicted: a neighbour received invalid frames from them (bad_input), they accused a "
+            "second neighbour (accuser), or their join token was revoked (revoked)",
+            ["reason"],
             registry=r,
         )
 

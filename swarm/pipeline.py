@@ -13,6 +13,7 @@ import torch
 
 from swarm.config import RunConfig
 from swarm.mapl import pack_gradients, sum_gradients
+from swarm.norm_guard import NormBound
 from swarm.subspace import SubspaceRotation, initial_artifacts, next_rotation
 from swarm.worker import StageStats, StageWorker
 
@@ -36,15 +37,20 @@ class StepResult:
 
 
 class LocalPipeline:
-    """All stages of a run in this process."""
+    """All stages of a run in this process (``norm_bound``: check boundary norms as a swarm node does)."""
 
     def __init__(
-        self, config: RunConfig, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+        self,
+        config: RunConfig,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        norm_bound: NormBound | None = None,
     ):
         self.config = config
         fixed, basis = initial_artifacts(config)
         self.workers = [
-            StageWorker(config, i, fixed, basis, device=device, dtype=dtype) for i in range(config.n_stages)
+            StageWorker(config, i, fixed, basis, device=device, dtype=dtype, norm_bound=norm_bound)
+            for i in range(config.n_stages)
         ]
         self.version = 0
 

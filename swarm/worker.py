@@ -24,6 +24,7 @@ from swarm.config import RunConfig, stage_layer_ranges
 from swarm.emulation import EmulatedStage, load_profile
 from swarm.mapl import MaplBoundary, boundary_gradients, set_boundary_gradients
 from swarm.model import Stage, name_seed
+from swarm.norm_guard import NormBound, NormGuard
 from swarm.optim import build_optimizer
 from swarm.subspace import BoundaryStatistic, SubspaceRotation, rotate_stage
 from swarm.wire import ActivationFrame, GradientFrame
@@ -67,8 +68,19 @@ class StageWorker:
         basis: torch.Tensor | None,
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
+        norm_bound: NormBound | None = None,
     ):
         self.config, self.index = config, index
+        # What neighbours send is bounded against its recent norms (None: not checked; the
+        # single-process pipeline trusts itself).
+        self.activation_guard, self.gradient_guard = (
+            (
+                NormGuard(f"stage {index}: received {what}", norm_bound)
+                for what in ("activations", "gradients")
+            )
+            if norm_bound is not None
+            else (None, None)
+        )
         self.device, self.dtype = torch.device(device), dtype
         start, end = stage_layer_ranges(config.model.n_layers, config.n_stages)[index]
         self.stage = _build_stage(config, start, end, fixed_embedding, basis).to(device, dtype)
@@ -152,6 +164,8 @@ class StageWorker:
                 raise TypeError(f"stage {self.index} takes an activation frame")
             self._check_step(source.step, step)
             z, ids = self.inbound.decode_activation(source, self.version, self.device, self.dtype)
+            if self.activation_guard is not None and train:
+                self.activation_guard.check(z)
             received = z.requires_grad_(train)
             x_in = self.inbound.map.lift(received, ids[:, :-1])
             if self.statistic is not None and train:
@@ -211,6 +225,8 @@ class StageWorker:
             g = self.outbound.decode_gradient(
                 gradient, self.version, saved.output.shape, self.device, self.dtype
             )
+            if self.gradient_guard is not None:
+                self.gradient_guard.check(g)
             saved.output.backward(g)
         if self.is_first:
             return None

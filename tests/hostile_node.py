@@ -2,7 +2,8 @@
 
 It runs the real node daemon (``node.cli``, every argument after ``FROM_STEP``) with its
 boundary sends wrapped: from step ``FROM_STEP`` on, every activation frame it sends carries
-NaN coordinates (``nan``), twice the rows its shape says (``oversized``), or goes out twice
+NaN coordinates (``nan``), twice the rows its shape says (``oversized``), finite bf16
+coordinates scaled up 10^4 times (``scaled``: only a norm bound catches it), or goes out twice
 (``replay``). Everything else about it is an honest node.
 """
 
@@ -11,10 +12,12 @@ from __future__ import annotations
 import sys
 from dataclasses import replace
 
+import torch
+
 from node import cli, links
 from swarm.wire import ActivationFrame
 
-ATTACKS = ("nan", "oversized", "replay")
+ATTACKS = ("nan", "oversized", "scaled", "replay")
 
 
 def turn_hostile(attack: str, from_step: int) -> None:
@@ -28,6 +31,9 @@ def turn_hostile(attack: str, from_step: int) -> None:
         payload = item.payload
         if attack == "nan":  # float32 NaN / bf16 NaN bit patterns, whatever the format
             item = replace(item, payload=replace(payload, data=b"\xc0\x7f" * (len(payload.data) // 2)))
+        elif attack == "scaled":  # bf16 payloads (the test runs' format)
+            scaled = torch.frombuffer(bytearray(payload.data), dtype=torch.bfloat16) * 1e4
+            item = replace(item, payload=replace(payload, data=scaled.view(torch.uint8).numpy().tobytes()))
         elif attack == "oversized":
             item = replace(item, payload=replace(payload, rows=2 * payload.rows, data=2 * payload.data))
         sent = await honest_send(self, item)

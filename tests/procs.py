@@ -19,12 +19,13 @@ import grpc
 import pytest
 
 from coordinator.sessions import Sessions
+from coordinator.tokens import token_id
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
 from swarm.config import MODEL_PRESETS, CheckpointConfig, DataConfig, RunConfig, TrainConfig
 from swarm.transport.session import session_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "node-test-token"
+TOKEN = "node-test-join-token"
 CORPUS = "Shall I compare thee to a summer's day? Thou art more lovely and more temperate.\n" * 300
 
 
@@ -165,7 +166,8 @@ def status(address: str) -> coordinator_pb2.StatusReply:
 def plan_of(address: str, folder: Path, node_id: str) -> list[coordinator_pb2.BoundaryLink]:
     """The dial plan the coordinator (state in ``folder``) gives ``node_id``: what its own heartbeat
     returns, asked with the credential the operator can derive from the coordinator's key file."""
-    session = Sessions(folder / "state.sqlite.session-key").issue(node_id)
+    keys = Sessions(folder / "state.sqlite.session-key", revoked=lambda token: False)
+    session = keys.issue(node_id, token_id(TOKEN))
     with grpc.insecure_channel(address) as channel:
         stub = coordinator_pb2_grpc.CoordinatorStub(channel)
         request = coordinator_pb2.HeartbeatRequest(node_id=node_id)

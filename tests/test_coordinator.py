@@ -33,7 +33,7 @@ from swarm.transport.session import session_metadata
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
-TOKEN = "join-secret"
+TOKEN = "coordinator-test-join-secret"
 PEERS = ["/ip4/127.0.0.1/tcp/4001/p2p/QmTestPeer"]
 RPC_TIMEOUT = 5.0
 DIAL, ACCEPT, UNSPECIFIED = (
@@ -910,5 +910,39 @@ def test_node_ids_alone_grant_nothing(tmp_path):
             assert h.service.state.statistics() == []
             # b itself, with its own credential, is heard.
             assert (await h.heartbeat(b.node_id, epoch)).known
+
+    run(scenario())
+
+
+def test_an_accused_neighbour_is_evicted_and_a_repeat_accuser_is_the_suspect(tmp_path):
+    """A bad-input report evicts the planned neighbour it names (not a node elsewhere in the plan);
+    a node that accuses a second neighbour after one was evicted is evicted itself."""
+
+    async def scenario() -> None:
+        async with coordinator(tmp_path / "state.sqlite", tiny_config(n_stages=3)) as h:
+            a, b, c = await h.join("a"), await h.join("b"), await h.join("c")
+            d = await h.join("d")  # a standby
+
+            async def accuse(accuser, accused) -> None:
+                request = coordinator_pb2.FailureReport(
+                    node_id=accuser.node_id,
+                    plan_epoch=(await h.status()).plan_epoch,
+                    reason="bad frame from the peer",
+                    peer_node_id=accused.node_id,
+                    bad_input=True,
+                )
+                await h.stub.ReportFailure(request, timeout=RPC_TIMEOUT)
+
+            def stages() -> dict[str, list[int]]:
+                return {n.name: n.stages for n in h.service.nodes.values() if n.alive}
+
+            await accuse(c, a)  # c and a are not neighbours (stages 2 and 0): nobody is evicted
+            assert stages() == {"a": [0], "b": [1], "c": [2], "d": []}
+            await accuse(b, a)
+            assert stages() == {"b": [1], "c": [2], "d": [0]}  # the standby took a's stage
+            await accuse(b, d)  # b again, against its new neighbour: b is the suspect
+            assert stages() == {"c": [2], "d": [0]}  # stage 1 waits for the next volunteer
+            assert h.sample("swarm_evictions_total", {"reason": "bad_input"}) == 1
+            assert h.sample("swarm_evictions_total", {"reason": "accuser"}) == 1
 
     run(scenario())

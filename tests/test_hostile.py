@@ -1,8 +1,8 @@
 """A live swarm with a hostile volunteer: it is evicted and replaced, and the run completes clean.
 
 Real processes on loopback: a coordinator, three honest nodes (one a standby) and a node
-that runs the real daemon but, from step ``FROM_STEP`` on, sends NaN, oversized or replayed
-activation frames (``tests/hostile_node.py``). The receiving stage refuses the frame, the
+that runs the real daemon but, from step ``FROM_STEP`` on, sends NaN, oversized, scaled-up
+(finite) or replayed activation frames (``tests/hostile_node.py``). The receiving stage refuses the frame, the
 coordinator evicts the sender like a dead node, the standby takes its stage from the latest
 cut, and the run finishes every step with finite losses and a finite final model.
 """
@@ -21,7 +21,7 @@ from tests.procs import coordinator, node, processes, tiny_run, wait_for_nodes, 
 STEPS, INTERVAL, FROM_STEP = 30, 5, 12
 
 
-@pytest.mark.parametrize("attack", ["nan", "oversized", "replay"])
+@pytest.mark.parametrize("attack", ["nan", "oversized", "scaled", "replay"])
 def test_a_hostile_node_is_evicted_and_the_run_completes(tmp_path, attack):
     config = tiny_run(tmp_path, STEPS, n_stages=3, checkpoint_interval=INTERVAL)
     with processes() as procs:

@@ -95,7 +95,7 @@ def test_a_tls_coordinator_opens_only_to_the_swarms_ca(pki: Path, tmp_path: Path
     async def scenario() -> dict[str, grpc.StatusCode]:
         service = CoordinatorService(
             tiny_config(),
-            "token",
+            "tls-test-join-token",
             tmp_path / "state.sqlite",
             None,
             Metrics("coordinator"),

@@ -67,5 +67,5 @@ def test_cli_rejects_bad_configuration(capsys):
 
 
 def test_a_sequence_longer_than_the_model_context_is_refused_at_configuration():
-    with pytest.raises(ValueError, match="train.seq_len=128 exceeds model.max_seq_len=64"):
+    with pytest.raises(ValueError, match=r"train\.seq_len=128 exceeds model\.max_seq_len=64"):
         RunConfig(model=MODEL_PRESETS["tiny"], train=TrainConfig(seq_len=128))

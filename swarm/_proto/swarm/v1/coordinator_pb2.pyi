@@ -139,20 +139,22 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "plan_epoch", "subspace_version", "plan", "run_complete", "cut_requests")
+    __slots__ = ("known", "plan_epoch", "subspace_version", "plan", "run_complete", "cut_requests", "session")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
     PLAN_FIELD_NUMBER: _ClassVar[int]
     RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     CUT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    SESSION_FIELD_NUMBER: _ClassVar[int]
     known: bool
     plan_epoch: int
     subspace_version: int
     plan: Plan
     run_complete: bool
     cut_requests: int
-    def __init__(self, known: _Optional[bool] = ..., plan_epoch: _Optional[int] = ..., subspace_version: _Optional[int] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., cut_requests: _Optional[int] = ...) -> None: ...
+    session: str
+    def __init__(self, known: _Optional[bool] = ..., plan_epoch: _Optional[int] = ..., subspace_version: _Optional[int] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., cut_requests: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("node_id", "reason")

@@ -30,8 +30,10 @@ class CoordinatorStub:
     """Every call a node makes after Join carries its session credential as gRPC metadata:
     "swarm-node" (its node id) and "swarm-session" (JoinReply.session). The coordinator refuses
     a call that names a node id without that node's credential (UNAUTHENTICATED), and
-    WatchRotations / FetchArtifact from anyone without a valid one. Join, GetRunConfig and Status
-    need none; Status shows nothing that grants access.
+    WatchRotations / FetchArtifact from anyone without a valid one. A credential expires (a
+    heartbeat hands out its successor, HeartbeatReply.session) and dies with the join token it
+    was issued under (swarm-coordinator token revoke: the node is evicted at its next call).
+    Join, GetRunConfig and Status need none; Status shows nothing that grants access.
     """
 
     def __init__(self, channel):
@@ -116,8 +118,10 @@ class CoordinatorServicer:
     """Every call a node makes after Join carries its session credential as gRPC metadata:
     "swarm-node" (its node id) and "swarm-session" (JoinReply.session). The coordinator refuses
     a call that names a node id without that node's credential (UNAUTHENTICATED), and
-    WatchRotations / FetchArtifact from anyone without a valid one. Join, GetRunConfig and Status
-    need none; Status shows nothing that grants access.
+    WatchRotations / FetchArtifact from anyone without a valid one. A credential expires (a
+    heartbeat hands out its successor, HeartbeatReply.session) and dies with the join token it
+    was issued under (swarm-coordinator token revoke: the node is evicted at its next call).
+    Join, GetRunConfig and Status need none; Status shows nothing that grants access.
     """
 
     def Join(self, request, context):
@@ -303,8 +307,10 @@ class Coordinator:
     """Every call a node makes after Join carries its session credential as gRPC metadata:
     "swarm-node" (its node id) and "swarm-session" (JoinReply.session). The coordinator refuses
     a call that names a node id without that node's credential (UNAUTHENTICATED), and
-    WatchRotations / FetchArtifact from anyone without a valid one. Join, GetRunConfig and Status
-    need none; Status shows nothing that grants access.
+    WatchRotations / FetchArtifact from anyone without a valid one. A credential expires (a
+    heartbeat hands out its successor, HeartbeatReply.session) and dies with the join token it
+    was issued under (swarm-coordinator token revoke: the node is evicted at its next call).
+    Join, GetRunConfig and Status need none; Status shows nothing that grants access.
     """
 
     @staticmethod
