@@ -11,6 +11,7 @@ peer closes the stream, the node stops, or the epoch's links are torn down.
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from typing import Protocol
 
@@ -32,6 +33,9 @@ from swarm.transport.shaper import UNSHAPED, LinkProfile
 
 log = logging.getLogger(__name__)
 HELLO_S = 10.0  # a stream whose Hello has not arrived by then is dropped (it holds a server slot)
+# Streams from one host still waiting for their Hello: a planned neighbour opens one per boundary
+# it shares with this node; more is someone holding server slots open.
+MAX_PENDING_PER_HOST = 8
 
 
 class Acceptor(Protocol):
@@ -57,14 +61,25 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.metrics, self.profile = metrics, profile
         self.acceptor: Acceptor | None = None
         self.node_id = ""
+        self.pending: collections.Counter[str] = collections.Counter()  # host -> streams before Hello
 
     async def Exchange(self, request_iterator, context: grpc.aio.ServicerContext):
+        host = context.peer().rpartition(":")[0]  # "ipv4:10.0.0.2:51234" -> "ipv4:10.0.0.2"
+        if self.pending[host] >= MAX_PENDING_PER_HOST:
+            self.metrics.rejected.labels("stream_limit").inc()
+            why = f"more than {MAX_PENDING_PER_HOST} streams from {host} are waiting for their Hello"
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+        self.pending[host] += 1
         try:
             first = await asyncio.wait_for(context.read(), HELLO_S)
         except TimeoutError:
             self.metrics.rejected.labels("hello_timeout").inc()
             log.warning("dropped a boundary stream from %s: no Hello within %.0fs", context.peer(), HELLO_S)
             return
+        finally:
+            self.pending[host] -= 1
+            if not self.pending[host]:
+                del self.pending[host]
         acceptor = self.acceptor
         problem = _REFUSE_ALL
         if acceptor is not None:

@@ -176,6 +176,35 @@ def test_a_stream_without_a_hello_is_dropped(monkeypatch):
     run(main())
 
 
+def test_streams_waiting_for_their_hello_are_capped_per_host():
+    async def main() -> None:
+        async with stage_server(refuse_all) as server:
+            channel = open_channel(server.address)
+            try:
+                stub = stage_pb2_grpc.StageStub(channel)
+                silent = [stub.Exchange() for _ in range(stage_service.MAX_PENDING_PER_HOST)]
+                for call in silent:  # opened on the server, and no Hello follows
+                    await call.wait_for_connection()
+                deadline = asyncio.get_running_loop().time() + 5
+                while sum(server.service.pending.values()) < len(silent):
+                    assert asyncio.get_running_loop().time() < deadline
+                    await asyncio.sleep(0.02)
+                one_more = stub.Exchange()
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    await asyncio.wait_for(one_more.read(), 5)
+                assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                assert rejections(server.metrics) == {"stream_limit": 1.0}
+                for call in silent:
+                    call.cancel()
+                while server.service.pending:  # the slots come back when the streams end
+                    assert asyncio.get_running_loop().time() < deadline
+                    await asyncio.sleep(0.02)
+            finally:
+                await channel.close()
+
+    run(main())
+
+
 def test_service_without_a_plan_refuses_every_stream():
     async def main() -> None:
         async with stage_server(refuse_all) as server:

@@ -1,0 +1,128 @@
+"""Replica averaging over hivemind's all-reduce on real P2P daemons (loopback, NAT port mapping off):
+exactness against a single replica on the global batch, identical results on every replica,
+bytes on the wire, and a round that loses a member fails whole and succeeds without it."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+from hivemind.p2p import P2P
+
+from swarm.averaging import ReplicaAverager, Round, RoundFailed, shares
+from swarm.pipeline import LocalPipeline
+from tests.helpers import random_batch, tiny_config
+
+LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
+
+
+async def p2p_group(n: int) -> list[P2P]:
+    """``n`` P2P daemons on loopback that know each other (no NAT port mapping, no relays)."""
+    first = await P2P.create(host_maddrs=LOOPBACK, nat_port_map=False, use_relay=False)
+    maddrs = await first.get_visible_maddrs()
+    rest = [
+        await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs, nat_port_map=False, use_relay=False)
+        for _ in range(n - 1)
+    ]
+    return [first, *rest]
+
+
+async def averagers(p2ps: list[P2P], **timeouts) -> list[ReplicaAverager]:
+    out = [ReplicaAverager(p, "stage-0", **timeouts) for p in p2ps]
+    for a in out:
+        await a.start()
+    return out
+
+
+def run(coro, timeout: float = 120.0):
+    return asyncio.run(asyncio.wait_for(coro, timeout))
+
+
+def stage_gradients(config, ids: torch.Tensor) -> list[torch.Tensor]:
+    """The gradients of a one-stage fp64 model (the whole model) on ``ids``."""
+    pipe = LocalPipeline(config, dtype=torch.float64)
+    pipe.forward_backward(0, ids)
+    return [p.grad.clone() for p in pipe.workers[0].parameters()]
+
+
+def test_two_replicas_average_to_the_global_batch_gradient():
+    """Replica A on one half of the batch, B on the other: their token-weighted average equals one
+    replica's gradient on the whole batch (fp64, 1e-10), and both hold the same result (each adds
+    the reducer's delta to its own part: equal up to the last bits)."""
+    config = dataclasses.replace(tiny_config(n_stages=1, forward_format="fp64", backward_format="fp64"))
+    ids = random_batch(config, seed=3)
+    full = stage_gradients(config, ids)  # 2 microbatches of half the batch each
+    half = dataclasses.replace(
+        config,
+        train=dataclasses.replace(config.train, batch_size=config.train.batch_size // 2, microbatches=1),
+    )
+    rows = half.train.batch_size
+    local = [stage_gradients(half, ids[:rows]), stage_gradients(half, ids[rows:])]
+    numel = sum(g.numel() for g in full)
+
+    async def scenario():
+        p2ps = await p2p_group(2)
+        try:
+            group = await averagers(p2ps)
+            round_ = Round("step-0", tuple(p.peer_id for p in p2ps), shares(numel, [100.0, 300.0]))
+            tokens = float(rows * half.train.seq_len)
+            return await asyncio.gather(
+                *(a.average(round_, g, tokens) for a, g in zip(group, local, strict=True))
+            )
+        finally:
+            for p in p2ps:
+                await p.shutdown()
+
+    stats = run(scenario())
+    for a, b, ref in zip(local[0], local[1], full, strict=True):
+        scale = ref.norm().clamp_min(1e-30)
+        assert ((a - ref).norm() / scale).item() < 1e-10 and ((a - b).norm() / scale).item() < 1e-14
+    fractions = shares(numel, [100.0, 300.0])
+    own = [f / sum(fractions) for f in fractions]
+    for i, s in enumerate(stats):  # its parts to the other reducer, the average of its own part back
+        expected = 8 * (round((1 - own[i]) * numel) + round(own[i] * numel))
+        assert abs(s.bytes_sent - expected) <= 16 and s.members == 2
+
+
+@pytest.mark.timeout(180)
+def test_a_round_that_loses_a_member_fails_whole_and_succeeds_without_it():
+    """Three replicas; one dies (its P2P shuts down mid-round). The two others get RoundFailed naming
+    it, with their tensors untouched, and the retry without it averages exactly the two."""
+    numel = 1 << 18
+    values = [torch.full((numel,), float(i + 1)) for i in range(3)]
+
+    async def scenario():
+        p2ps = await p2p_group(3)
+        try:
+            group = await averagers(p2ps, sender_timeout=2.0, reducer_timeout=4.0)
+            members = tuple(p.peer_id for p in p2ps)
+            first = Round("step-7/0", members, shares(numel, [1.0, 1.0, 1.0]))
+            mine = [[v.clone()] for v in values]
+
+            async def dies() -> None:  # starts the round, then its daemon is gone
+                task = asyncio.create_task(group[2].average(first, mine[2], 1.0))
+                await asyncio.sleep(0.05)
+                await p2ps[2].shutdown()
+                task.cancel()
+
+            outcomes = await asyncio.gather(
+                group[0].average(first, mine[0], 1.0),
+                group[1].average(first, mine[1], 1.0),
+                dies(),
+                return_exceptions=True,
+            )
+            for outcome in outcomes[:2]:
+                assert isinstance(outcome, RoundFailed), outcome
+                assert members[2] in outcome.silent
+            assert all(torch.equal(mine[i][0], values[i]) for i in range(2))  # nothing applied
+            retry = first.without({members[2]}, "step-7/1")
+            await asyncio.gather(group[0].average(retry, mine[0], 1.0), group[1].average(retry, mine[1], 1.0))
+            return mine
+        finally:
+            for p in p2ps[:2]:
+                await p.shutdown()
+
+    mine = run(scenario())
+    assert torch.equal(mine[0][0], torch.full((numel,), 1.5)) and torch.equal(mine[1][0], mine[0][0])
