@@ -13,11 +13,15 @@ average on every member (a different last bit is possible only where the members
 cancel). A round in which a member went silent (sender or reducer timeout) fails as a whole
 (:class:`RoundFailed`, naming the silent members): every replica keeps its tensors as they were,
 and the caller runs the round again without them, so no replica applies a partial average.
+A reducer screens every part before summing it: a non-finite part, or one whose RMS exceeds
+100x the reducer's own part of the same slice, drops its sender like a silent one and is counted
+(:attr:`ReplicaAverager.offences`) so repeated offenders can be evicted.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 from collections.abc import Sequence
@@ -27,11 +31,15 @@ from typing import AsyncIterator  # noqa: UP035 - hivemind's ServicerBase recogn
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.averaging.partition import TensorPartReducer
+from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, AllreduceException, TensorPartReducer
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter
 
+from swarm.norm_guard import root_mean_square
+
+POISON_FACTOR = 100.0  # a part whose RMS exceeds this many times our own part of the slice is refused
 JOIN_WAIT_S = 10.0  # a stream for a round this replica has not started yet waits this long for it
 
 
@@ -63,11 +71,36 @@ def shares(numel: int, bandwidths: Sequence[float]) -> tuple[float, ...]:
 
 
 class RoundFailed(RuntimeError):
-    """A member went silent during the round; nothing was applied. ``silent``: who."""
+    """The round lost a member; nothing was applied. ``silent``: members this replica lost contact
+    with; ``poisoned``: members whose parts it refused; ``aborted_by``: reducers that cancelled the
+    round because they dropped someone. The next group leaves out what the members' reports name
+    as silent or poisoned."""
 
-    def __init__(self, silent: set[PeerID]):
-        super().__init__(f"averaging round failed: {len(silent)} member(s) went silent")
-        self.silent = silent
+    def __init__(
+        self, silent: set[PeerID], poisoned: set[PeerID], aborted_by: set[PeerID], implausible: bool = False
+    ):
+        what = "returned an implausible average" if implausible else "cancelled"
+        super().__init__(
+            f"averaging round failed: {len(silent)} member(s) silent, {len(poisoned)} poisoned, "
+            f"{len(aborted_by)} reducer(s) {what}"
+        )
+        self.silent, self.poisoned, self.aborted_by = silent, poisoned, aborted_by
+        self.implausible = implausible  # a reducer (which one is unknown) returned non-finite or huge values
+
+
+class PoisonedPart(ValueError):
+    """A member's part is non-finite or far larger than this replica's own part of the same slice."""
+
+
+def poison(part: torch.Tensor, own: torch.Tensor, factor: float) -> str | None:
+    """Why ``part`` must not be summed (None: it may): non-finite values, or an RMS above
+    ``factor`` x this replica's ``own`` part (an honest reference from the same round)."""
+    if not bool(torch.isfinite(part).all()):
+        return "non-finite values"
+    theirs, mine = root_mean_square(part), root_mean_square(own)
+    if mine > 0 and theirs > factor * mine:
+        return f"RMS {theirs:.3g} is over {factor:g} x this replica's {mine:.3g}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -93,14 +126,23 @@ class _Runner(AllReduceRunner):
         shapes = tuple(part.shape for part in self.parts_for_local_averaging)
         self.tensor_part_reducer = _Float64Reducer(shapes, len(self.sender_peer_ids))
         self.failed: set[PeerID] = set()
+        self.aborted_by: set[PeerID] = set()
         self.bytes_sent = 0
         self.serving = 0  # streams of other members this replica is still answering
         self.served = asyncio.Event()
         self.served.set()
+        self.poisoned: set[PeerID] = set()
+        self.poison_factor = POISON_FACTOR
 
     async def _communicate_with_peer(self, peer_id: PeerID):
         try:
             await super()._communicate_with_peer(peer_id)
+        except AllreduceException as e:
+            # hivemind names the code a reducer answered with: CANCELLED is a reducer that dropped
+            # another member and will not return a partial average (see serve), not a silent one.
+            cancelled = averaging_pb2.MessageCode.Name(averaging_pb2.CANCELLED)
+            (self.aborted_by if str(e).endswith(f"sent {cancelled}") else self.failed).add(peer_id)
+            raise
         except BaseException:
             self.failed.add(peer_id)
             raise
@@ -113,17 +155,37 @@ class _Runner(AllReduceRunner):
     async def serve(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """Reduce a member's parts and send it the averages (counted)."""
+        """Reduce a member's parts and send it the averages (counted); once this reducer has dropped
+        a member, the others get CANCELLED instead of an average without it."""
         self.serving += 1
         self.served.clear()
         try:
-            async for message in self.rpc_aggregate_part(stream, context):
+            async for message in self.rpc_aggregate_part(self._screened(stream, context.remote_id), context):
+                if self.banned_senders:
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
+                    return
                 self.bytes_sent += len(message.tensor_part.buffer)
                 yield message
         finally:
             self.serving -= 1
             if not self.serving:
                 self.served.set()
+
+    async def _screened(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender: PeerID
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """``sender``'s parts, each checked before it is summed; a poisoned one ends the stream with
+        :class:`PoisonedPart`, and hivemind's runner then drops the sender from the round."""
+        index = 0
+        async for message in stream:
+            if index < len(self.parts_for_local_averaging):
+                part = deserialize_torch_tensor(message.tensor_part)
+                problem = poison(part, self.parts_for_local_averaging[index], self.poison_factor)
+                if problem is not None:
+                    self.poisoned.add(sender)
+                    raise PoisonedPart(f"part {index} from {sender}: {problem}")
+            index += 1
+            yield message
 
 
 class AveragingRouter(ServicerBase):
@@ -164,10 +226,19 @@ class ReplicaAverager:
     parts / returning averages before it is dropped and the round fails.
     """
 
-    def __init__(self, p2p: P2P, namespace: str, sender_timeout: float = 5.0, reducer_timeout: float = 10.0):
+    def __init__(
+        self,
+        p2p: P2P,
+        namespace: str,
+        sender_timeout: float = 5.0,
+        reducer_timeout: float = 10.0,
+        part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+    ):
         self.p2p, self.namespace = p2p, namespace
         self.sender_timeout, self.reducer_timeout = sender_timeout, reducer_timeout
+        self.part_size_bytes = part_size_bytes  # the vector is cut into parts of this size, dealt by share
         self.router = AveragingRouter()
+        self.offences: collections.Counter[PeerID] = collections.Counter()  # poisoned parts seen, by member
 
     async def start(self) -> None:
         await self.router.add_p2p_handlers(self.p2p, namespace=self.namespace)
@@ -190,6 +261,7 @@ class ReplicaAverager:
             peer_fractions=round_.fractions,
             sender_timeout=self.sender_timeout,
             reducer_timeout=self.reducer_timeout,
+            part_size_bytes=self.part_size_bytes,
         )
         await self.router.register(round_.group_id, runner)
         try:
@@ -199,9 +271,16 @@ class ReplicaAverager:
                 await asyncio.wait_for(runner.served.wait(), self.reducer_timeout)
         finally:
             self.router.forget(round_.group_id)
-        silent = runner.failed | runner.banned_senders
-        if silent or runner.tensor_part_container.failed_size:
-            raise RoundFailed(silent)
-        for tensor, base, delta in zip(tensors, work, deltas, strict=True):
-            tensor.copy_(base.add_(delta))
+        silent = (runner.failed | runner.banned_senders) - runner.poisoned
+        if silent or runner.poisoned or runner.aborted_by or runner.tensor_part_container.failed_size:
+            self.offences.update(runner.poisoned)
+            raise RoundFailed(silent, runner.poisoned, runner.aborted_by)
+        results = [base + delta for base, delta in zip(work, deltas, strict=True)]
+        for base, result in zip(work, results, strict=True):
+            # A reducer could return anything: an average of finite parts is finite and no larger
+            # than the largest of them, so one far larger than our own part is refused.
+            if poison(result, base, POISON_FACTOR) is not None:
+                raise RoundFailed(set(), set(), set(round_.peers) - {self.p2p.peer_id}, implausible=True)
+        for tensor, result in zip(tensors, results, strict=True):
+            tensor.copy_(result)
         return RoundStats(len(round_.peers), runner.bytes_sent)

@@ -19,6 +19,10 @@ import torch
 from swarm.codecs.base import PayloadError
 
 
+def root_mean_square(x: torch.Tensor) -> float:
+    return float(x.detach().double().pow(2).mean().sqrt()) if x.numel() else 0.0
+
+
 @dataclass(frozen=True)
 class NormBound:
     factor: float = 100.0
@@ -35,7 +39,7 @@ class NormGuard:
 
     def check(self, x: torch.Tensor) -> None:
         """Accept ``x`` (and remember its RMS), or raise :class:`PayloadError`."""
-        rms = float(x.detach().float().pow(2).mean().sqrt()) if x.numel() else 0.0
+        rms = root_mean_square(x)
         if len(self.history) >= self.bound.warmup:
             typical = statistics.median(self.history)
             if typical > 0 and rms > self.bound.factor * typical:
