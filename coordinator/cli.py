@@ -137,6 +137,7 @@ async def serve(service: CoordinatorService, where: Endpoints) -> None:
         log.info("DHT at %s", " ".join(service.dht_peers))
     server = CoordinatorServer(service, where.host, where.port)
     await server.start()
+    log.info("gRPC over %s", service.security)
     http = None
     if where.metrics_port != -1:
         loop = asyncio.get_running_loop()

@@ -120,8 +120,10 @@ def test_restart_reuses_cache_corruption_refetches_two_stages_on_one_node(three_
 
 
 def test_rotation_is_applied_at_its_step_on_every_stage(tmp_path):
+    """Over mutual TLS (``swarm up --tls``): the same losses as one process, rotations included."""
     config = swarm_config(steps=12, rotate_every=5)
-    summary = up(config, tmp_path / "run", nodes=3, progress=False, timeout=600)
+    summary = up(config, tmp_path / "run", nodes=3, progress=False, timeout=600, tls=True)
+    assert "gRPC over mutual TLS" in (tmp_path / "run" / "coordinator.err").read_text()
     ref_losses, _, _ = reference_run(config, tmp_path / "cache")
     rel = [abs(a - b) / abs(b) for a, b in zip(summary.losses, ref_losses, strict=True)]
     assert max(rel) < 1e-4, rel

@@ -16,7 +16,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from swarm import model_io
+from swarm import certs, model_io
 from swarm._proto.swarm.v1 import inference_pb2, inference_pb2_grpc
 from swarm.config import MODEL_PRESETS, CodecConfig, DataConfig, RunConfig, TrainConfig
 from swarm.generate import Sampling, generate_ids, sample
@@ -24,6 +24,8 @@ from swarm.inference import ClientHead, InferenceStage
 from swarm.model import KVCache
 from swarm.remote_generate import SwarmGenerator
 from swarm.train import train
+from swarm.transport import tls
+from swarm.transport.tls import Security
 from tests.procs import Proc, processes
 
 PROMPT = list(b"To be, or not to be")
@@ -35,6 +37,7 @@ class Servers:
     model: model_io.TrainedModel
     procs: dict[str, Proc]
     addresses: dict[str, str]
+    pki: Path  # the CA and the certificates of the mutual-TLS servers and their client
 
     def of(self, *names: str) -> dict[int, list[str]]:
         """Servers by stage, in the order given (later ones are spares)."""
@@ -63,6 +66,10 @@ def servers(tmp_path_factory) -> Iterator[Servers]:
     )
     train(config, device="cpu", progress=False, out_dir=folder)
     model = folder / "model"
+    certs.init(folder / "pki")
+    for name in ("server", "client"):
+        certs.issue_node(folder / "pki", name)
+    mutual = tls.cli_flags(folder / "pki", "server")
     with processes() as procs:
         # s<stage><copy>: fp32 frames (exact), and a bf16 and a dense set for the byte counts.
         started = {
@@ -74,9 +81,13 @@ def servers(tmp_path_factory) -> Iterator[Servers]:
             "s1c": serve(procs, folder, model, "s1c", 1, "--format", "bf16"),
             "s2c": serve(procs, folder, model, "s2c", 2, "--format", "bf16"),
             "s0t": serve(procs, folder, model, "s0t", 0, "--session-timeout", "1", "--metrics-port", "0"),
+            # mutual TLS: only a client with a certificate from the CA gets a session
+            "s0m": serve(procs, folder, model, "s0m", 0, "--format", "fp32", *mutual),
+            "s1m": serve(procs, folder, model, "s1m", 1, "--format", "fp32", *mutual),
+            "s2m": serve(procs, folder, model, "s2m", 2, "--format", "fp32", *mutual),
         }
         addresses = {n: p.wait_for(r"serving stage \d .* on (\S+)", 120).group(1) for n, p in started.items()}
-        yield Servers(model_io.load(model), started, addresses)
+        yield Servers(model_io.load(model), started, addresses, folder / "pki")
 
 
 def test_greedy_generation_through_the_swarm_equals_local(servers):
@@ -88,6 +99,26 @@ def test_greedy_generation_through_the_swarm_equals_local(servers):
         swarm.close()
     assert remote == local
     assert swarm.stats.decode_steps == GREEDY.max_new_tokens - 1 and not swarm.stats.failovers
+
+
+def test_generation_over_mutual_tls_needs_a_certificate_from_the_ca(servers):
+    pki = servers.pki
+    client = Security.from_files(pki / "ca.pem", pki / "client.pem", pki / "client.key", mutual=True)
+    head = ClientHead(servers.model, "subspace", "fp32")
+    swarm = SwarmGenerator(servers.of("s0m", "s1m", "s2m"), head, security=client)
+    try:
+        remote = sample(PROMPT, GREEDY, servers.model.config.model.max_seq_len, swarm.logits_after)
+    finally:
+        swarm.close()
+    assert remote == generate_ids(servers.model.build(), PROMPT, GREEDY)
+    anonymous = SwarmGenerator(
+        servers.of("s0m", "s1m", "s2m"), head, timeout_s=10, security=Security.from_files(pki / "ca.pem")
+    )
+    try:
+        with pytest.raises(RuntimeError, match="every server of stage 0 failed"):
+            sample(PROMPT, GREEDY, servers.model.config.model.max_seq_len, anonymous.logits_after)
+    finally:
+        anonymous.close()
 
 
 def test_frame_bytes_per_token_match_the_codec_accounting(servers):

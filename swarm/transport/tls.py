@@ -39,6 +39,9 @@ class Security:
     def tls(self) -> bool:
         return self.ca is not None
 
+    def __str__(self) -> str:
+        return "mutual TLS" if self.mutual else "TLS" if self.tls else "clear text"
+
     @classmethod
     def from_files(
         cls,
