@@ -122,6 +122,7 @@ def markdown(r: dict) -> str:
         *_churn_section(r),
         *_multihost_section(r),
         *_generation_section(r),
+        *_averaging_section(r),
         f"Section times (s): {', '.join(f'{k} {v:.0f}' for k, v in r['seconds'].items())}.",
     ]
     return "\n".join(out) + "\n"
@@ -259,6 +260,31 @@ def _multihost_section(r: dict) -> list[str]:
                 ("compression vs dense bf16", "compression_ratio", ".1f"),
                 ("nodes on the DHT", "dht_joined", ""),
                 ("DHT fallbacks", "dht_fallback", ""),
+            ],
+        ),
+        "",
+    ]
+
+
+def _averaging_section(r: dict) -> list[str]:
+    if "averaging" not in r:
+        return []
+    plan = r["plan"]["averaging"]
+    return [
+        "## Averaging a stage across its replicas (hivemind all-reduce, loopback)",
+        f"A middle stage of {plan['n_stages']} ({r['averaging'][0]['parameters']:,} trainable parameters, "
+        "random gradients), each replica on its own P2P daemon, equal shares, float64 parts on the wire; "
+        f"median of {plan['rounds']} rounds. The last column is the busiest replica's bytes at "
+        f"{plan['link_mbps']:.0f} Mbit/s (full duplex): what a step pays on such a link.",
+        "",
+        _table(
+            r["averaging"],
+            [
+                ("replicas", "replicas", ""),
+                ("busiest replica MB sent", "busiest_mb", ".1f"),
+                ("B/parameter", "bytes_per_parameter", ".1f"),
+                ("round s (loopback)", "seconds", ".2f"),
+                ("s at link", "seconds_at_link", ".1f"),
             ],
         ),
         "",

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from bench import (
+    averaging,
     churn,
     convergence,
     generation,
@@ -58,6 +59,7 @@ class BenchPlan:
     multihost_codecs: list[str] = field(default_factory=lambda: ["dense bf16", "subspace bf16"])
     generation: generation.GenerationPlan | None = None
     paper_scale: paper_scale.PaperScalePlan | None = None
+    averaging: averaging.AveragingPlan | None = None
 
 
 def plan(quick: bool) -> BenchPlan:
@@ -96,6 +98,7 @@ def plan(quick: bool) -> BenchPlan:
                 codecs=["dense bf16", "subspace bf16"],
                 links=[Link("80 Mbit/s, 50 ms RTT", 80, 25)],
             ),
+            averaging=averaging.AveragingPlan(tiny, n_stages=2, rounds=1),
         )
     small = MODEL_PRESETS["small"]
     return BenchPlan(
@@ -143,6 +146,7 @@ def plan(quick: bool) -> BenchPlan:
             ],
             one_f_one_b_on="80 Mbit/s, 50 ms RTT",
         ),
+        averaging=averaging.AveragingPlan(small, n_stages=4),
     )
 
 
@@ -209,6 +213,8 @@ def sections(p: BenchPlan, quick: bool) -> dict[str, Callable[[], object]]:
         out["multihost"] = lambda: _multihost(p)
     if p.generation is not None:
         out["generation"] = lambda: _needs_netns(lambda: generation.run(p.generation))
+    if p.averaging is not None:
+        out["averaging"] = lambda: averaging.run(p.averaging)
     return out
 
 
