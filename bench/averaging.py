@@ -62,11 +62,11 @@ async def _measure(n: int, grads: list[torch.Tensor], rounds: int) -> dict:
         fractions = shares(numel, [1.0] * n)
         seconds, sent = [], []
         for r in range(rounds):
-            round_ = Round(f"bench/{n}/{r}", tuple(p.peer_id for p in p2ps), fractions)
+            round_ = Round(f"bench/{n}/{r}", tuple(p.peer_id for p in p2ps), fractions, (1.0,) * n)
             tensors = [[g.clone() for g in grads] for _ in range(n)]
             start = time.perf_counter()
             stats = await asyncio.gather(
-                *(m.average(round_, t, 1.0) for m, t in zip(members, tensors, strict=True))
+                *(m.average(round_, t) for m, t in zip(members, tensors, strict=True))
             )
             seconds.append(time.perf_counter() - start)
             sent.append(max(s.bytes_sent for s in stats))

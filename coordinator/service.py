@@ -22,6 +22,7 @@ the last step the run is complete and membership changes no longer replan it.
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import hmac
@@ -60,6 +61,9 @@ log = logging.getLogger("swarm.coordinator")
 MAX_SNAPSHOT_BYTES = 16 << 30
 EXPORT_WAIT_S = 120.0  # a stopping coordinator waits this long for the final model to be written
 RESUME_GRACE_S = 10.0
+SHARED_TOKEN_LABEL = "operator"  # the label of the token given to `serve` (shared by many nodes)
+# The same accuser and accused this often: both evicted (one of them lies or keeps offending).
+SAME_PAIR_ACCUSATIONS = 3
 PROBE_TIMEOUT_S = 2.0  # a node that does not answer a Ping this fast after a failure report is dead
 # Rejection label -> gRPC status: a fenced node must stop, a stale epoch only drops the call.
 _REJECTION_STATUS = {
@@ -124,12 +128,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.model_dir: Path | None = default_model_dir(state_path)  # where the final model goes
         self._export_task: asyncio.Task | None = None
         self.leaving: set[str] = set()  # nodes that asked for a final cut and will Leave after it
-        self.accused: dict[str, set[str]] = {}  # accuser -> the nodes its bad-input reports evicted
+        # accuser -> the parties its bad-input reports got evicted, and how often (by join token id)
+        self.accusations: dict[str, collections.Counter[str]] = {}
+        # node id -> the party it is in accusations: its join token when that token is its own
+        # (`token create`), else itself (nodes sharing the operator's token cannot be linked)
+        self.party: dict[str, str] = {}
         fixed, basis = initial_artifacts(config)
         embedding = matrix_to_bytes(fixed)
         self.embedding_digest = digest(embedding)
         self.artifacts = {self.embedding_digest: embedding}
-        self.watchers: set[asyncio.Queue[SubspaceRotation | None]] = set()
+        # each WatchRotations stream's queue, and the node it serves (its stream ends with the node)
+        self.watchers: dict[asyncio.Queue[SubspaceRotation | None], str] = {}
         self.closing = False
         self.rotation = RotationCollector(config, basis, self.state.last_rotation())
         for stat in self.state.statistics():
@@ -156,7 +165,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             path = state_file.with_name(state_file.name + ".token")
             token = kept_secret(path, lambda: secrets.token_urlsafe(32))
             log.warning("no join token given: nodes join with the one in %s (mode 0600)", path)
-        if self.tokens.add(token, "operator").revoked is not None:
+        if self.tokens.add(token, SHARED_TOKEN_LABEL).revoked is not None:
             log.warning(
                 "the join token given is revoked: no node can join until `swarm-coordinator token create`"
             )
@@ -282,6 +291,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._forget([r for r in self.checkpoints.values() if r.step < oldest_kept and r.step != restore])
 
     def _remove(self, node: NodeRecord) -> None:
+        for queue, watcher in self.watchers.items():
+            if watcher == node.id:
+                queue.put_nowait(None)
         self.last_stages[node.id] = list(node.stages)
         before = self._owners()
         node.alive, node.stages = False, []
@@ -341,14 +353,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         except Rejected as e:
             await self._refuse(context, e)
 
-    async def _require_any_session(self, context: grpc.aio.ServicerContext) -> None:
-        """Abort the call unless it carries the credential of a node in the run."""
+    async def _require_any_session(self, context: grpc.aio.ServicerContext) -> str:
+        """The calling node's id; the call is aborted unless it carries the credential of a node
+        alive in the run (an evicted or dead node's credential opens nothing)."""
         try:
-            if self._session(context).node_id in self.nodes:
-                return
+            node_id = self._session(context).node_id
+            if self._alive_node(node_id) is not None:
+                return node_id
         except Rejected:
             pass
-        await self._refuse(context, Rejected("auth", "this call needs a node's session credential"))
+        await self._refuse(context, Rejected("auth", "this call needs a live node's session credential"))
 
     def _require_member(self, node_id: str, epoch: int, context: grpc.aio.ServicerContext) -> NodeRecord:
         """The alive, authenticated node ``node_id`` following the current epoch, else :class:`Rejected`."""
@@ -402,6 +416,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         )
         before = self._owners()
         self.nodes[node.id] = node
+        self.party[node.id] = admitted.id if admitted.label != SHARED_TOKEN_LABEL else node.id
         self.last_seen[node.id] = time.monotonic()
         self.state.upsert_node(node)
         self._replan(before)
@@ -493,29 +508,43 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return coordinator_pb2.FailureAck(plan_epoch=self.plan_epoch)
 
     def _judge_accusation(self, accuser: NodeRecord, accused: NodeRecord, reason: str) -> None:
-        """Evict the neighbour ``accuser`` received an invalid frame from; but an accuser who already
-        had another node evicted is the suspect (the common factor of two accusations), so it is
-        evicted instead: a lying node costs the run at most one honest node."""
-        earlier = self.accused.setdefault(accuser.id, set()) - {accused.id}
-        if earlier:
+        """Evict the neighbour ``accuser`` received an invalid frame from, unless the record says
+        otherwise. Parties are personal join tokens (an evicted node that rejoins with its token is
+        the same party; see :attr:`party`).
+        An accuser that already had *another* party evicted is the suspect (the common factor)
+        and is evicted instead. The same pair a third time cannot be told apart (a liar, or a
+        repeat offender next to the same honest node): both are evicted."""
+        accuser_key = self.party.get(accuser.id, accuser.id)
+        accused_key = self.party.get(accused.id, accused.id)
+        record = self.accusations.setdefault(accuser_key, collections.Counter())
+        others = sorted(k[:8] for k in record if k != accused_key)
+        if others:
             log.warning(
-                "node %s evicted: it accused a second neighbour (%s, after %s) of invalid frames",
+                "node %s evicted: it accused a second party (%s, after %s) of invalid frames",
                 accuser.id[:8],
                 accused.id[:8],
-                ", ".join(sorted(n[:8] for n in earlier)),
+                ", ".join(others),
             )
             self.metrics.evictions.labels(reason="accuser").inc()
             self._remove(accuser)
             return
+        record[accused_key] += 1
         log.warning(
             "node %s evicted: its neighbour %s received an invalid frame from it: %s",
             accused.id[:8],
             accuser.id[:8],
             reason[:200],
         )
-        self.accused[accuser.id].add(accused.id)
         self.metrics.evictions.labels(reason="bad_input").inc()
         self._remove(accused)
+        if record[accused_key] >= SAME_PAIR_ACCUSATIONS:
+            log.warning(
+                "node %s evicted too: the %d-th accusation of the same party",
+                accuser.id[:8],
+                record[accused_key],
+            )
+            self.metrics.evictions.labels(reason="accuser").inc()
+            self._remove(accuser)
 
     async def _answers(self, node: NodeRecord) -> bool:
         """Whether a node is alive after all: it answers a Ping within ``PROBE_TIMEOUT_S``, or, failing
@@ -627,9 +656,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         log.info("trained model (step %d) written to %s", manifest["step"], self.model_dir)
 
     async def WatchRotations(self, request, context) -> AsyncIterator[common_pb2.Rotation]:
-        await self._require_any_session(context)
+        node_id = await self._require_any_session(context)
         queue: asyncio.Queue[SubspaceRotation | None] = asyncio.Queue()
-        self.watchers.add(queue)
+        self.watchers[queue] = node_id
         try:
             sent = request.after_version
             for rotation in self.state.rotations(after_version=sent):
@@ -640,7 +669,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                     yield rotation_to_proto(rotation)
                     sent = rotation.version
         finally:
-            self.watchers.discard(queue)
+            self.watchers.pop(queue, None)
 
     def _offer(self, stat: SavedStatistic) -> SubspaceRotation | None:
         """Feed a statistic to the collector; persist it, or the rotation it completes, and publish."""

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import re
 import secrets
 import time
 from collections.abc import Callable, Iterable
@@ -23,6 +24,9 @@ from pathlib import Path
 from swarm.transport.session import NODE_KEY, SESSION_KEY
 
 SESSION_TTL_S = 3600.0
+CREDENTIAL = re.compile(
+    r"(?P<token>[0-9a-f]{12})\.(?P<expires>[1-9][0-9]{0,11})\.(?P<mac>[0-9a-f]{64})", re.ASCII
+)
 
 
 def kept_secret(path: Path, create: Callable[[], str]) -> str:
@@ -92,12 +96,11 @@ class Sessions:
         node_id, credential = fields.get(NODE_KEY), fields.get(SESSION_KEY)
         if not isinstance(node_id, str) or not isinstance(credential, str):
             raise SessionRefused("missing")
-        token_id, _, rest = credential.partition(".")
-        expires_text, _, mac = rest.partition(".")
-        if not expires_text.isdigit() or len(expires_text) > 12:
+        shape = CREDENTIAL.fullmatch(credential)
+        if shape is None or not node_id.isascii():
             raise SessionRefused("forged")
-        expires = int(expires_text)
-        if not hmac.compare_digest(self._mac(node_id, token_id, expires), mac):
+        token_id, expires = shape["token"], int(shape["expires"])
+        if not hmac.compare_digest(self._mac(node_id, token_id, expires).encode(), shape["mac"].encode()):
             raise SessionRefused("forged")
         if expires <= self.clock():
             raise SessionRefused("expired", node_id)

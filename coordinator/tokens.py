@@ -1,7 +1,9 @@
 """Join tokens the operator creates, lists and revokes (``swarm-coordinator token ...``).
 
-Tokens live in the run's state file as SHA-256 digests only (a token is 256 random bits, so a
-plain digest is as strong as a slow hash); a token's id is the head of its digest, enough to
+Tokens live in the run's state file as SHA-256 digests only: a created token is 256 random
+bits, for which a plain digest is as strong as a slow hash (one the operator chooses, through
+``SWARM_TOKEN`` or ``--token-file``, should be as random: it is refused below 16 characters,
+not checked for entropy). A token's id is the head of its digest, enough to
 name it in ``list`` and ``revoke`` and in session credentials. A revoked token stays in the
 table, so neither ``--token-file`` nor ``$SWARM_TOKEN`` can bring it back, and the
 coordinator refuses at once every session credential issued under it (the CLI writes the same

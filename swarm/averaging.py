@@ -12,7 +12,10 @@ float64 delta to its own part, so float32 tensors end as the float32 rounding of
 average on every member (a different last bit is possible only where the members' values nearly
 cancel). A round in which a member went silent (sender or reducer timeout) fails as a whole
 (:class:`RoundFailed`, naming the silent members): every replica keeps its tensors as they were,
-and the caller runs the round again without them, so no replica applies a partial average.
+and the caller runs the round again without them. There is no commit step: a member may
+finish a round another member fails (a CANCELLED answer reached only some), so the caller must
+agree on each round's outcome (the coordinator's job once replicas are wired in) before
+applying it.
 A reducer screens every part before summing it: a non-finite part, or one whose RMS exceeds
 100x the reducer's own part of the same slice, drops its sender like a silent one and is counted
 (:attr:`ReplicaAverager.offences`) so repeated offenders can be evicted.
@@ -24,6 +27,7 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import AsyncIterator  # noqa: UP035 - hivemind's ServicerBase recognises typing's streams only
@@ -45,12 +49,23 @@ JOIN_WAIT_S = 10.0  # a stream for a round this replica has not started yet wait
 
 @dataclass(frozen=True)
 class Round:
-    """One averaging round: ``key`` (unique per stage and attempt), the members in order and the
-    fraction of the vector each reduces."""
+    """One averaging round: ``key`` (unique per stage and attempt), the members in order, the
+    fraction of the vector each reduces, and each one's weight (the samples it processed, as
+    the group agreed: a member may not weigh itself more than that)."""
 
     key: str
     peers: tuple[PeerID, ...]
     fractions: tuple[float, ...]
+    weights: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not len(self.peers) == len(self.fractions) == len(self.weights):
+            raise ValueError("a round needs a fraction and a weight per member")
+        if not all(math.isfinite(w) and w > 0 for w in self.weights):
+            raise ValueError("member weights must be finite and positive")
+
+    def weight_of(self, peer: PeerID) -> float:
+        return self.weights[self.peers.index(peer)]
 
     @property
     def group_id(self) -> bytes:
@@ -59,10 +74,11 @@ class Round:
 
     def without(self, silent: set[PeerID], key: str) -> Round:
         """The next attempt: the same round without the ``silent`` members."""
-        kept = [(p, f) for p, f in zip(self.peers, self.fractions, strict=True) if p not in silent]
+        kept = [m for m in zip(self.peers, self.fractions, self.weights, strict=True) if m[0] not in silent]
         if not kept:
             raise ValueError("no member of the round is left")
-        return Round(key, tuple(p for p, _ in kept), tuple(f for _, f in kept))
+        peers, fractions, weights = zip(*kept, strict=True)
+        return Round(key, peers, fractions, weights)
 
 
 def shares(numel: int, bandwidths: Sequence[float]) -> tuple[float, ...]:
@@ -121,8 +137,9 @@ class _Float64Reducer(TensorPartReducer):
 class _Runner(AllReduceRunner):
     """hivemind's runner, reducing in float64, remembering which members failed, counting bytes sent."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, round_: Round, **kwargs):
         super().__init__(**kwargs)
+        self.round = round_
         shapes = tuple(part.shape for part in self.parts_for_local_averaging)
         self.tensor_part_reducer = _Float64Reducer(shapes, len(self.sender_peer_ids))
         self.failed: set[PeerID] = set()
@@ -177,7 +194,11 @@ class _Runner(AllReduceRunner):
         """``sender``'s parts, each checked before it is summed; a poisoned one ends the stream with
         :class:`PoisonedPart`, and hivemind's runner then drops the sender from the round."""
         index = 0
+        agreed = self.round.weight_of(sender) if sender in self.round.peers else None
         async for message in stream:
+            if agreed is None or not math.isclose(message.weight, agreed, rel_tol=1e-9):
+                self.poisoned.add(sender)
+                raise PoisonedPart(f"{sender} weighs its parts {message.weight}, not the agreed {agreed}")
             if index < len(self.parts_for_local_averaging):
                 part = deserialize_torch_tensor(message.tensor_part)
                 problem = poison(part, self.parts_for_local_averaging[index], self.poison_factor)
@@ -246,17 +267,18 @@ class ReplicaAverager:
     async def stop(self) -> None:
         await self.router.remove_p2p_handlers(self.p2p, namespace=self.namespace)
 
-    async def average(self, round_: Round, tensors: Sequence[torch.Tensor], weight: float) -> RoundStats:
-        """Replace ``tensors`` in place by the ``weight``-weighted average over the round's members;
-        :class:`RoundFailed` (tensors unchanged) if a member went silent."""
+    async def average(self, round_: Round, tensors: Sequence[torch.Tensor]) -> RoundStats:
+        """Replace ``tensors`` in place by the weighted average over the round's members;
+        :class:`RoundFailed` (tensors unchanged) if the round lost a member."""
         work = [t.detach().to("cpu", torch.float64).contiguous() for t in tensors]
         runner = _Runner(
+            round_,
             p2p=self.p2p,
             servicer_type=AveragingRouter,
             prefix=self.namespace,
             group_id=round_.group_id,
             tensors=work,
-            weight=weight,
+            weight=round_.weight_of(self.p2p.peer_id),
             ordered_peer_ids=list(round_.peers),
             peer_fractions=round_.fractions,
             sender_timeout=self.sender_timeout,

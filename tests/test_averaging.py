@@ -72,11 +72,10 @@ def test_two_replicas_average_to_the_global_batch_gradient():
         p2ps = await p2p_group(2)
         try:
             group = await averagers(p2ps)
-            round_ = Round("step-0", tuple(p.peer_id for p in p2ps), shares(numel, [100.0, 300.0]))
             tokens = float(rows * half.train.seq_len)
-            return await asyncio.gather(
-                *(a.average(round_, g, tokens) for a, g in zip(group, local, strict=True))
-            )
+            peers = tuple(p.peer_id for p in p2ps)
+            round_ = Round("step-0", peers, shares(numel, [100.0, 300.0]), (tokens, tokens))
+            return await asyncio.gather(*(a.average(round_, g) for a, g in zip(group, local, strict=True)))
         finally:
             for p in p2ps:
                 await p.shutdown()
@@ -104,18 +103,18 @@ def test_a_round_that_loses_a_member_fails_whole_and_succeeds_without_it():
         try:
             group = await averagers(p2ps, sender_timeout=2.0, reducer_timeout=4.0)
             members = tuple(p.peer_id for p in p2ps)
-            first = Round("step-7/0", members, shares(numel, [1.0, 1.0, 1.0]))
+            first = Round("step-7/0", members, shares(numel, [1.0, 1.0, 1.0]), (1.0, 1.0, 1.0))
             mine = [[v.clone()] for v in values]
 
             async def dies() -> None:  # starts the round, then its daemon is gone
-                task = asyncio.create_task(group[2].average(first, mine[2], 1.0))
+                task = asyncio.create_task(group[2].average(first, mine[2]))
                 await asyncio.sleep(0.05)
                 await p2ps[2].shutdown()
                 task.cancel()
 
             outcomes = await asyncio.gather(
-                group[0].average(first, mine[0], 1.0),
-                group[1].average(first, mine[1], 1.0),
+                group[0].average(first, mine[0]),
+                group[1].average(first, mine[1]),
                 dies(),
                 return_exceptions=True,
             )
@@ -124,7 +123,7 @@ def test_a_round_that_loses_a_member_fails_whole_and_succeeds_without_it():
                 assert members[2] in outcome.silent
             assert all(torch.equal(mine[i][0], values[i]) for i in range(2))  # nothing applied
             retry = first.without({members[2]}, "step-7/1")
-            await asyncio.gather(group[0].average(retry, mine[0], 1.0), group[1].average(retry, mine[1], 1.0))
+            await asyncio.gather(group[0].average(retry, mine[0]), group[1].average(retry, mine[1]))
             return mine
         finally:
             for p in p2ps[:2]:
@@ -134,32 +133,39 @@ def test_a_round_that_loses_a_member_fails_whole_and_succeeds_without_it():
     assert torch.equal(mine[0][0], torch.full((numel,), 1.5)) and torch.equal(mine[1][0], mine[0][0])
 
 
-@pytest.mark.parametrize("attack", ["nan", "scaled"])
+@pytest.mark.parametrize("attack", ["nan", "scaled", "overweight"])
 def test_a_poisoned_contribution_is_dropped_and_counted(attack: str):
-    """Three replicas; one sends NaN (or 10^4 times larger) gradients and, as a reducer, returns
-    averages with its own poison in them. Every honest reducer refuses its parts (the round fails
-    naming it as poisoned, the offence counted), nothing is applied anywhere, and the retry without
-    it averages the two honest replicas exactly."""
+    """Three replicas; one sends NaN gradients, 10^4 times larger ones, or honest-sized ones under a
+    weight of 10^9 instead of the agreed 1; as a reducer it returns averages with its poison in
+    them. Every honest reducer refuses its parts (the round fails naming it as poisoned, the
+    offence counted), nothing is applied anywhere, and the retry without it averages the two
+    honest replicas exactly."""
     numel = 1 << 16
     honest = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) for i in range(2)]
-    bad = torch.full((numel,), float("nan")) if attack == "nan" else torch.randn(numel) * 1e4
+    bad = {"nan": torch.full((numel,), float("nan")), "scaled": torch.randn(numel) * 1e4}.get(
+        attack, -torch.randn(numel)
+    )
 
     async def scenario():
         p2ps = await p2p_group(3)
         try:
             group = await averagers(p2ps, sender_timeout=2.0, reducer_timeout=4.0, part_size_bytes=1 << 12)
             members = tuple(p.peer_id for p in p2ps)
-            first = Round("step-3/0", members, (1.0, 1.0, 1.0))  # every member reduces a third
+            first = Round("step-3/0", members, (1.0, 1.0, 1.0), (1.0, 1.0, 1.0))  # a third each
+            claimed = Round(
+                "step-3/0", members, (1.0, 1.0, 1.0), (1.0, 1.0, 1e9 if attack == "overweight" else 1.0)
+            )
             mine = [[honest[0].clone()], [honest[1].clone()], [bad.clone()]]
             outcomes = await asyncio.gather(
-                *(a.average(first, t, 1.0) for a, t in zip(group, mine, strict=True)), return_exceptions=True
+                *(a.average(r, t) for a, r, t in zip(group, (first, first, claimed), mine, strict=True)),
+                return_exceptions=True,
             )
             for outcome in outcomes[:2]:
                 assert isinstance(outcome, RoundFailed) and members[2] in outcome.poisoned, outcome
             assert torch.equal(mine[0][0], honest[0]) and torch.equal(mine[1][0], honest[1])
             assert group[0].offences[members[2]] == 1 and group[1].offences[members[2]] == 1
             retry = first.without({members[2]}, "step-3/1")
-            await asyncio.gather(group[0].average(retry, mine[0], 1.0), group[1].average(retry, mine[1], 1.0))
+            await asyncio.gather(group[0].average(retry, mine[0]), group[1].average(retry, mine[1]))
             return mine
         finally:
             for p in p2ps:

@@ -946,3 +946,39 @@ def test_an_accused_neighbour_is_evicted_and_a_repeat_accuser_is_the_suspect(tmp
             assert h.sample("swarm_evictions_total", {"reason": "accuser"}) == 1
 
     run(scenario())
+
+
+def test_a_rejoining_offender_with_its_own_token_is_the_same_party(tmp_path):
+    """With personal join tokens, an evicted node that rejoins and is accused again by the same
+    honest neighbour is the same party: the neighbour is believed, until the same pair comes up a
+    third time (then nobody can tell who lies, and both go)."""
+
+    async def scenario() -> None:
+        async with coordinator(tmp_path / "state.sqlite", tiny_config(n_stages=2)) as h:
+            honest_token, _ = h.service.tokens.create("honest")
+            offender_token, _ = h.service.tokens.create("offender")
+            honest = await h.join("honest", token=honest_token)
+
+            async def offender_accused(name: str) -> None:
+                offender = await h.join(name, token=offender_token)  # takes the free stage 1
+                request = coordinator_pb2.FailureReport(
+                    node_id=honest.node_id,
+                    plan_epoch=(await h.status()).plan_epoch,
+                    reason="bad frame from the peer",
+                    peer_node_id=offender.node_id,
+                    bad_input=True,
+                )
+                await h.stub.ReportFailure(request, timeout=RPC_TIMEOUT)
+
+            def alive() -> set[str]:
+                return {n.name for n in h.service.nodes.values() if n.alive}
+
+            await offender_accused("x1")
+            await offender_accused("x2")
+            assert alive() == {"honest"}  # believed twice: the same offender, not a second party
+            await offender_accused("x3")
+            assert alive() == set()
+            assert h.sample("swarm_evictions_total", {"reason": "bad_input"}) == 3
+            assert h.sample("swarm_evictions_total", {"reason": "accuser"}) == 1
+
+    run(scenario())

@@ -48,7 +48,7 @@ def test_credentials_expire_renew_and_refuse_tampering(tmp_path: Path):
     now = [1000.0]
     revoked: set[str] = set()
     sessions = Sessions(tmp_path / "key", revoked.__contains__, ttl_s=100, clock=lambda: now[0])
-    credential = sessions.issue("node-a", "tok1")
+    credential = sessions.issue("node-a", "0123456789ab")
 
     def verdict(node_id: str, session: str) -> str:
         try:
@@ -60,7 +60,7 @@ def test_credentials_expire_renew_and_refuse_tampering(tmp_path: Path):
     assert verdict("node-b", credential) == "refused: forged"
     token, expires, mac = credential.split(".")
     assert verdict("node-a", f"{token}.{int(expires) + 1000}.{mac}") == "refused: forged"  # longer life
-    assert verdict("node-a", f"tok2.{expires}.{mac}") == "refused: forged"
+    assert verdict("node-a", f"ba9876543210.{expires}.{mac}") == "refused: forged"
     assert verdict("node-a", "garbage") == "refused: forged"
     with pytest.raises(SessionRefused, match="missing"):
         sessions.verify(())
@@ -71,7 +71,7 @@ def test_credentials_expire_renew_and_refuse_tampering(tmp_path: Path):
     now[0] += 41
     assert verdict("node-a", credential) == "refused: expired"
     assert verdict("node-a", renewed) == "node-a"
-    revoked.add("tok1")
+    revoked.add("0123456789ab")
     assert verdict("node-a", renewed) == "refused: revoked"
 
 
