@@ -122,6 +122,17 @@ class Harness:
         request = coordinator_pb2.FailureReport(node_id=node_id, plan_epoch=epoch, reason="boundary broke")
         return await self.stub.ReportFailure(request, timeout=RPC_TIMEOUT)
 
+    async def accuse(self, accuser: coordinator_pb2.JoinReply, accused: coordinator_pb2.JoinReply) -> None:
+        """``accuser`` reports that ``accused`` sent it an invalid frame (at the current epoch)."""
+        request = coordinator_pb2.FailureReport(
+            node_id=accuser.node_id,
+            plan_epoch=(await self.status()).plan_epoch,
+            reason="bad frame from the peer",
+            peer_node_id=accused.node_id,
+            bad_input=True,
+        )
+        await self.stub.ReportFailure(request, timeout=RPC_TIMEOUT)
+
     async def report(self, request: coordinator_pb2.StatisticsReport) -> coordinator_pb2.StatisticsAck:
         return await self.stub.ReportStatistics(request, timeout=RPC_TIMEOUT)
 
@@ -923,24 +934,14 @@ def test_an_accused_neighbour_is_evicted_and_a_repeat_accuser_is_the_suspect(tmp
             a, b, c = await h.join("a"), await h.join("b"), await h.join("c")
             d = await h.join("d")  # a standby
 
-            async def accuse(accuser, accused) -> None:
-                request = coordinator_pb2.FailureReport(
-                    node_id=accuser.node_id,
-                    plan_epoch=(await h.status()).plan_epoch,
-                    reason="bad frame from the peer",
-                    peer_node_id=accused.node_id,
-                    bad_input=True,
-                )
-                await h.stub.ReportFailure(request, timeout=RPC_TIMEOUT)
-
             def stages() -> dict[str, list[int]]:
                 return {n.name: n.stages for n in h.service.nodes.values() if n.alive}
 
-            await accuse(c, a)  # c and a are not neighbours (stages 2 and 0): nobody is evicted
+            await h.accuse(c, a)  # c and a are not neighbours (stages 2 and 0): nobody is evicted
             assert stages() == {"a": [0], "b": [1], "c": [2], "d": []}
-            await accuse(b, a)
+            await h.accuse(b, a)
             assert stages() == {"b": [1], "c": [2], "d": [0]}  # the standby took a's stage
-            await accuse(b, d)  # b again, against its new neighbour: b is the suspect
+            await h.accuse(b, d)  # b again, against its new neighbour: b is the suspect
             assert stages() == {"c": [2], "d": [0]}  # stage 1 waits for the next volunteer
             assert h.sample("swarm_evictions_total", {"reason": "bad_input"}) == 1
             assert h.sample("swarm_evictions_total", {"reason": "accuser"}) == 1
@@ -961,14 +962,7 @@ def test_a_rejoining_offender_with_its_own_token_is_the_same_party(tmp_path):
 
             async def offender_accused(name: str) -> None:
                 offender = await h.join(name, token=offender_token)  # takes the free stage 1
-                request = coordinator_pb2.FailureReport(
-                    node_id=honest.node_id,
-                    plan_epoch=(await h.status()).plan_epoch,
-                    reason="bad frame from the peer",
-                    peer_node_id=offender.node_id,
-                    bad_input=True,
-                )
-                await h.stub.ReportFailure(request, timeout=RPC_TIMEOUT)
+                await h.accuse(honest, offender)
 
             def alive() -> set[str]:
                 return {n.name for n in h.service.nodes.values() if n.alive}
