@@ -176,3 +176,14 @@ def test_revoking_a_live_volunteers_token_evicts_it_and_the_run_completes(tmp_pa
     assert "its join token was revoked" in coordinator_log
     assert "hosts stages [1]" in standby.stdout()  # the standby took the guest's stage
     assert procs.TOKEN not in coordinator_log and guest_token not in coordinator_log
+
+
+def test_a_token_of_another_run_is_refused(tmp_path: Path):
+    async def scenario() -> None:
+        async with coordinator(tmp_path / "a.sqlite") as run_a, coordinator(tmp_path / "b.sqlite") as run_b:
+            token_a, _ = run_a.service.tokens.create("volunteer of run a")
+            assert (await run_a.join("x", token=token_a)).node_id
+            assert await refused(run_b.join("x", token=token_a)) == grpc.StatusCode.UNAUTHENTICATED
+            assert not (await run_b.status()).nodes
+
+    run(scenario())
