@@ -27,6 +27,8 @@ async def p2p_group(n: int) -> list[P2P]:
         await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs, nat_port_map=False, use_relay=False)
         for _ in range(n - 1)
     ]
+    for p2p in (first, *rest):  # nothing listens or announces beyond loopback
+        assert all(str(m).startswith("/ip4/127.0.0.1/") for m in await p2p.get_visible_maddrs())
     return [first, *rest]
 
 
