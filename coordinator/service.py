@@ -133,6 +133,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # node id -> the party it is in accusations: its join token when that token is its own
         # (`token create`), else itself (nodes sharing the operator's token cannot be linked)
         self.party: dict[str, str] = {}
+        self.certificate_of: dict[str, str] = {}  # node id -> its client certificate's name (mutual TLS)
         fixed, basis = initial_artifacts(config)
         embedding = matrix_to_bytes(fixed)
         self.embedding_digest = digest(embedding)
@@ -316,6 +317,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 b = link.boundary
                 ends = f"{self.run_id}/{self.plan_epoch}/{b}/{owners[b]}/{owners[b + 1]}".encode()
                 link.link_secret = hmac.new(self.link_key, ends, hashlib.sha256).hexdigest()
+                link.peer_certificate = self.certificate_of.get(link.peer_node_id, "")
         return links
 
     def _neighbours(self, node_id: str, other_id: str) -> bool:
@@ -417,6 +419,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         before = self._owners()
         self.nodes[node.id] = node
         self.party[node.id] = admitted.id if admitted.label != SHARED_TOKEN_LABEL else node.id
+        if self.security.mutual:  # the name its certificate gives it: the plan pins its streams to it
+            names = context.auth_context().get("x509_common_name", [])
+            self.certificate_of[node.id] = names[0].decode(errors="replace") if len(names) == 1 else ""
         self.last_seen[node.id] = time.monotonic()
         self.state.upsert_node(node)
         self._replan(before)

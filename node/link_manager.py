@@ -70,7 +70,7 @@ class LinkManager:
         if link is None or link.role != cpb.LINK_ROLE_ACCEPT:
             return None
         peer_stage = boundary + 1 if link.local_stage == boundary else boundary
-        return PlannedPeer(peer_stage, link.peer_node_id, link.link_secret)
+        return PlannedPeer(peer_stage, link.peer_node_id, link.link_secret, link.peer_certificate)
 
     def local_stage(self, boundary: int) -> int:
         return self.plan_links[boundary].local_stage
@@ -126,7 +126,7 @@ class LinkManager:
                 self.identity,
                 b,
                 link.local_stage,
-                PlannedPeer(peer_stage, link.peer_node_id, link.link_secret),
+                PlannedPeer(peer_stage, link.peer_node_id, link.link_secret, link.peer_certificate),
                 self.metrics,
                 self.settings.link,
                 timeout=timeout,
@@ -135,7 +135,8 @@ class LinkManager:
             )
             self._channels.append(channel)
             self._install(b, stage_link)
-            say(f"boundary {b}: dialled stage {peer_stage} at {address}")
+            pinned = f" (certificate {link.peer_certificate})" if link.peer_certificate else ""
+            say(f"boundary {b}: dialled stage {peer_stage} at {address}{pinned}")
         for b, future in self._ready.items():
             try:
                 await asyncio.wait_for(asyncio.shield(future), timeout=timeout)

@@ -72,6 +72,7 @@ class PlannedPeer:
     stage: int
     node_id: str
     secret: str
+    certificate: str = ""  # the name of its TLS certificate (mutual TLS), when the plan knows it
 
 
 def hello(identity: RunIdentity, boundary: int, stage: int, secret: str) -> stage_pb2.StageMessage:
@@ -353,7 +354,7 @@ async def dial(
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
     while True:
-        channel = open_channel(address, security, keepalive, NODE_SERVER_NAME)
+        channel = open_channel(address, security, keepalive, peer.certificate or NODE_SERVER_NAME)
         try:
             call = stage_pb2_grpc.StageStub(channel).Exchange()
             await call.write(hello(identity, boundary, local_stage, peer.secret))

@@ -54,6 +54,21 @@ class Acceptor(Protocol):
 _REFUSE_ALL = stage_pb2.ERROR_CODE_PLAN_EPOCH, "this node follows no plan yet"
 
 
+def _certificate_problem(context: grpc.aio.ServicerContext, peer: PlannedPeer) -> tuple[int, str] | None:
+    """Under mutual TLS with the peer's certificate in the plan: refuse a client whose certificate
+    has another name (a node of the swarm's CA holding a leaked secret is still not that node)."""
+    if not peer.certificate:
+        return None
+    names = context.auth_context().get("x509_common_name", [])
+    if names == [peer.certificate.encode()]:
+        return None
+    shown = b",".join(names).decode(errors="replace") or "none"
+    return (
+        stage_pb2.ERROR_CODE_UNAUTHENTICATED,
+        f"client certificate {shown}, the plan names {peer.certificate}",
+    )
+
+
 class StageService(stage_pb2_grpc.StageServicer):
     """Accepts boundary streams for whichever :class:`Acceptor` is current (``None``: refuse all)."""
 
@@ -84,6 +99,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         problem = _REFUSE_ALL
         if acceptor is not None:
             problem = check_hello(first, acceptor.identity, None, acceptor.peer_of)
+        if problem is None:
+            problem = _certificate_problem(context, acceptor.peer_of(first.hello.boundary))
         if problem is not None:
             code, reason = problem
             self.metrics.rejected.labels(rejection_reason(code)).inc()

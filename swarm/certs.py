@@ -124,8 +124,8 @@ def issue(directory: str | Path, name: str, hosts: Sequence[str]) -> Path:
 
 
 def issue_node(directory: str | Path, name: str, hosts: Sequence[str] = ()) -> Path:
-    """A node's certificate: it names ``swarm-node`` and ``hosts``."""
-    return issue(directory, name, [NODE_SERVER_NAME, *hosts])
+    """A node's certificate: it names ``swarm-node``, itself (what a mutual-TLS plan pins) and ``hosts``."""
+    return issue(directory, name, [NODE_SERVER_NAME, name, *hosts])
 
 
 def init(directory: str | Path, coordinator_hosts: Sequence[str] = DEFAULT_COORDINATOR_HOSTS) -> Path:

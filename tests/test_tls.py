@@ -6,8 +6,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import re
 import stat
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
@@ -15,12 +17,14 @@ import pytest
 from cryptography import x509
 
 from coordinator.service import CoordinatorServer, CoordinatorService
+from node.links import LinkError, PlannedPeer, dial
+from node.stage_service import StageService
 from swarm import certs
-from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
+from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
 from swarm.metrics import Metrics
 from swarm.transport import tls
 from swarm.transport.tls import NODE_SERVER_NAME, Security
-from tests import procs
+from tests import procs, test_links
 from tests.helpers import tiny_config
 
 
@@ -30,6 +34,8 @@ def pki(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("pki")
     certs.init(root / "swarm")
     certs.issue_node(root / "swarm", "node0")
+    for name in ("planned", "intruder"):
+        certs.issue_node(root / "swarm", name)
     certs.init(root / "other")
     certs.issue_node(root / "other", "node0")
     return root
@@ -53,7 +59,7 @@ def test_certs_name_hosts_serve_both_ways_and_keep_keys_private(pki: Path):
     assert names.get_values_for_type(x509.DNSName) == ["localhost"]
     assert [str(ip) for ip in names.get_values_for_type(x509.IPAddress)] == ["127.0.0.1"]
     node_names = node.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
-    assert node_names.get_values_for_type(x509.DNSName) == [NODE_SERVER_NAME]
+    assert node_names.get_values_for_type(x509.DNSName) == [NODE_SERVER_NAME, "node0"]  # its own name: pinned
     for key in ("ca.key", "coordinator.key", "node0.key"):
         assert stat.S_IMODE(os.stat(folder / key).st_mode) == 0o600
     with pytest.raises(FileExistsError):
@@ -124,6 +130,55 @@ def test_a_tls_coordinator_opens_only_to_the_swarms_ca(pki: Path, tmp_path: Path
     assert codes == expected
 
 
+class PinnedAcceptor(test_links.Acceptor):
+    """The accepting side of boundary 0 whose plan pins the dialling node's certificate."""
+
+    def peer_of(self, boundary: int) -> PlannedPeer | None:
+        return replace(test_links.UP_PEER, certificate="planned") if boundary == 0 else None
+
+
+def test_streams_are_pinned_to_the_certificates_the_plan_names(pki: Path):
+    """Under mutual TLS the plan names each peer's certificate: a node of the same CA holding the
+    boundary's secret but another certificate is refused, and a dialler reaches only the server
+    whose certificate the plan names."""
+    swarm = pki / "swarm"
+
+    async def attach(boundary: int, link) -> None:
+        await asyncio.sleep(0.2)
+
+    async def dial_as(address: str, name: str, server_certificate: str) -> str:
+        peer = replace(test_links.DOWN_PEER, certificate=server_certificate)
+        client = security(swarm, name, mutual=True)
+        try:
+            _, channel = await dial(
+                address, test_links.CLIENT, 0, 0, peer, Metrics("node"), timeout=2, security=client
+            )
+        except LinkError as e:
+            return str(e)
+        await channel.close()
+        return "accepted"
+
+    async def main() -> list[str]:
+        service = StageService(Metrics("node"))
+        service.acceptor = PinnedAcceptor(attach)
+        server = grpc.aio.server()
+        stage_pb2_grpc.add_StageServicer_to_server(service, server)
+        port = security(swarm, "node0", mutual=True).add_port(server, "127.0.0.1:0")
+        address = f"127.0.0.1:{port}"
+        await server.start()
+        try:
+            cases = [("planned", "node0"), ("intruder", "node0"), ("planned", "planned")]
+            return [await dial_as(address, client, server) for client, server in cases]
+        finally:
+            await server.stop(None)
+
+    planned, intruder, wrong_server = asyncio.run(asyncio.wait_for(main(), 60))
+    assert planned == "accepted"
+    assert "ERROR_CODE_UNAUTHENTICATED" in intruder
+    assert "client certificate intruder, the plan names planned" in intruder
+    assert "could not reach" in wrong_server  # the server's certificate is node0's, not "planned"
+
+
 def _args(**flags) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     tls.add_arguments(parser)
@@ -187,6 +242,11 @@ def test_a_mutual_tls_swarm_trains(tmp_path: Path):
         ]
         for n in nodes:
             assert n.wait(180) == 0, n.stderr()
+        # the plan pinned the stream to the other node's certificate, and it was dialled under that name
+        dialled = re.findall(
+            r"dialled stage \d at \S+ \(certificate (\w+)\)", nodes[0].stdout() + nodes[1].stdout()
+        )
+        assert len(dialled) == 1 and dialled[0] in ("a", "b"), [n.output() for n in nodes]
         client = security(pki, "a")
         with client.channel(address) as channel:
             reply = coordinator_pb2_grpc.CoordinatorStub(channel).Status(

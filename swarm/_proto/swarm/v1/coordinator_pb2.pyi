@@ -53,20 +53,22 @@ class JoinRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., node_name: _Optional[str] = ..., announce_address: _Optional[str] = ..., max_stages: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class BoundaryLink(_message.Message):
-    __slots__ = ("boundary", "local_stage", "peer_node_id", "peer_address", "role", "link_secret")
+    __slots__ = ("boundary", "local_stage", "peer_node_id", "peer_address", "role", "link_secret", "peer_certificate")
     BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PEER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LINK_SECRET_FIELD_NUMBER: _ClassVar[int]
+    PEER_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
     boundary: int
     local_stage: int
     peer_node_id: str
     peer_address: str
     role: LinkRole
     link_secret: str
-    def __init__(self, boundary: _Optional[int] = ..., local_stage: _Optional[int] = ..., peer_node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ..., link_secret: _Optional[str] = ...) -> None: ...
+    peer_certificate: str
+    def __init__(self, boundary: _Optional[int] = ..., local_stage: _Optional[int] = ..., peer_node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ..., link_secret: _Optional[str] = ..., peer_certificate: _Optional[str] = ...) -> None: ...
 
 class StageCheckpoint(_message.Message):
     __slots__ = ("stage", "step", "digest", "size")
