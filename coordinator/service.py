@@ -134,6 +134,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         # (`token create`), else itself (nodes sharing the operator's token cannot be linked)
         self.party: dict[str, str] = {}
         self.certificate_of: dict[str, str] = {}  # node id -> its client certificate's name (mutual TLS)
+        for node_id, (party, certificate) in self.state.identities().items():
+            self.party[node_id] = party
+            if certificate:
+                self.certificate_of[node_id] = certificate
         fixed, basis = initial_artifacts(config)
         embedding = matrix_to_bytes(fixed)
         self.embedding_digest = digest(embedding)
@@ -422,6 +426,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if self.security.mutual:  # the name its certificate gives it: the plan pins its streams to it
             names = context.auth_context().get("x509_common_name", [])
             self.certificate_of[node.id] = names[0].decode(errors="replace") if len(names) == 1 else ""
+        self.state.set_identity(node.id, self.party[node.id], self.certificate_of.get(node.id, ""))
         self.last_seen[node.id] = time.monotonic()
         self.state.upsert_node(node)
         self._replan(before)

@@ -40,6 +40,9 @@ CREATE TABLE IF NOT EXISTS statistics (
     step INTEGER NOT NULL, boundary INTEGER NOT NULL, version INTEGER NOT NULL, data BLOB NOT NULL,
     PRIMARY KEY (step, boundary)
 );
+CREATE TABLE IF NOT EXISTS node_identity (
+    node_id TEXT PRIMARY KEY, party TEXT NOT NULL, certificate TEXT NOT NULL
+);
 CREATE TABLE IF NOT EXISTS rotations (version INTEGER PRIMARY KEY, effective_step INTEGER, message BLOB);
 CREATE TABLE IF NOT EXISTS checkpoints (
     step INTEGER NOT NULL, stage INTEGER NOT NULL, digest TEXT NOT NULL, size INTEGER NOT NULL, at REAL,
@@ -144,6 +147,17 @@ class CoordinatorState:
                 now,
             ),
         )
+
+    def set_identity(self, node_id: str, party: str, certificate: str) -> None:
+        """What a node is beyond its id: its party in accusations, its client certificate's name."""
+        self.db.execute(
+            "INSERT OR REPLACE INTO node_identity VALUES (?, ?, ?)", (node_id, party, certificate)
+        )
+
+    def identities(self) -> dict[str, tuple[str, str]]:
+        """node id -> (party, certificate name), for every node that joined."""
+        rows = self.db.execute("SELECT node_id, party, certificate FROM node_identity")
+        return {node_id: (party, certificate) for node_id, party, certificate in rows}
 
     def nodes(self) -> list[NodeRecord]:
         """Every node ever admitted, in join order."""

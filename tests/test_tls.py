@@ -23,6 +23,8 @@ from swarm import certs
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
 from swarm.metrics import Metrics
 from swarm.transport import tls
+from swarm.transport.frames import PROTOCOL_VERSION
+from swarm.transport.session import session_metadata
 from swarm.transport.tls import NODE_SERVER_NAME, Security
 from tests import procs, test_links
 from tests.helpers import tiny_config
@@ -177,6 +179,45 @@ def test_streams_are_pinned_to_the_certificates_the_plan_names(pki: Path):
     assert "ERROR_CODE_UNAUTHENTICATED" in intruder
     assert "client certificate intruder, the plan names planned" in intruder
     assert "could not reach" in wrong_server  # the server's certificate is node0's, not "planned"
+
+
+def test_certificate_pins_survive_a_coordinator_restart(pki: Path, tmp_path: Path):
+    """A mutual-TLS coordinator records the certificate each node joined with; a restarted one on
+    the same state still pins each boundary to the peer's certificate."""
+    swarm = pki / "swarm"
+    token = "tls-test-join-token"
+
+    async def life(names: list[str]) -> dict[str, coordinator_pb2.JoinReply | coordinator_pb2.HeartbeatReply]:
+        service = CoordinatorService(
+            tiny_config(n_stages=2),
+            token,
+            tmp_path / "state.sqlite",
+            None,
+            Metrics("coordinator"),
+            [],
+            security=security(swarm, "coordinator", mutual=True),
+        )
+        replies = {}
+        async with CoordinatorServer(service) as server:
+            for name in names:
+                channel = security(swarm, name, mutual=True).aio_channel(f"127.0.0.1:{server.port}")
+                stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+                if name in joined:
+                    node = joined[name]
+                    metadata = session_metadata(node.node_id, node.session)
+                    request = coordinator_pb2.HeartbeatRequest(node_id=node.node_id)
+                    replies[name] = await stub.Heartbeat(request, timeout=5, metadata=metadata)
+                else:
+                    join = coordinator_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION, token=token)
+                    replies[name] = joined[name] = await stub.Join(join, timeout=5)
+                await channel.close()
+        return replies
+
+    joined: dict[str, coordinator_pb2.JoinReply] = {}
+    asyncio.run(asyncio.wait_for(life(["planned", "node0"]), 30))
+    after = asyncio.run(asyncio.wait_for(life(["node0"]), 30))  # a new coordinator process, same state
+    (link,) = after["node0"].plan.links
+    assert link.peer_node_id == joined["planned"].node_id and link.peer_certificate == "planned"
 
 
 def _args(**flags) -> argparse.Namespace:
