@@ -295,3 +295,19 @@ def test_a_mutual_tls_swarm_trains(tmp_path: Path):
             )
         assert reply.run_complete and len(reply.steps) == 6
         assert asyncio.run(_status(address, security(pki))) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_swarm_certs_command(tmp_path: Path, capsys):
+    from swarm.cli import main
+
+    folder = tmp_path / "certs"
+    assert main(["certs", "init", "--dir", str(folder), "--host", "coord.example.org"]) == 0
+    assert "swarm-coordinator serve --tls-ca" in capsys.readouterr().out
+    assert main(["certs", "issue", "--dir", str(folder), "--name", "alice"]) == 0
+    assert f"--tls-cert {folder / 'alice.pem'}" in capsys.readouterr().out
+    names = x509.load_pem_x509_certificate((folder / "coordinator.pem").read_bytes()).extensions
+    assert names.get_extension_for_class(x509.SubjectAlternativeName).value.get_values_for_type(
+        x509.DNSName
+    ) == ["coord.example.org"]
+    assert main(["certs", "init", "--dir", str(folder)]) == 2  # an existing CA is never replaced
+    assert "already holds a CA" in capsys.readouterr().err
