@@ -8,6 +8,7 @@ import json
 import re
 import shutil
 import subprocess
+import time
 import urllib.parse
 from collections.abc import Iterator
 from pathlib import Path
@@ -56,6 +57,14 @@ def swarm(tmp_path_factory) -> Iterator[multihost.MultiHostSwarm]:
         yield running
 
 
+def log_with(swarm, name: str, text: str, timeout: float = 30.0) -> str:
+    """``name``'s log once it holds ``text`` (or as it is after ``timeout`` seconds)."""
+    deadline = time.monotonic() + timeout
+    while text not in (log := swarm.log(name)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    return log
+
+
 def host_ips(text: str) -> set[str]:
     return set(re.findall(r"\b(?:\d{1,3}\.){3}\d{1,3}\b", text))
 
@@ -74,7 +83,8 @@ def test_recipe_trains_across_hosts_with_the_dht(swarm):
     dht = re.search(r"DHT at (.+)", coordinator).group(1)
     assert host_ips(dht) == {swarm.coordinator_ip}, dht
     for i, role in enumerate(ROLES):
-        log = swarm.log(f"node{i}")
+        # A node says Leave before it prints its last line: wait for that line, bounded.
+        log = log_with(swarm, f"node{i}", f"finished {STEPS} steps on stages [{i}]")
         if role == "no-dht":
             assert "DHT unavailable, discovery falls back to the coordinator's addresses" in log
         else:
