@@ -36,6 +36,12 @@ def unreachable_boundaries(plan: cpb.Plan) -> list[cpb.BoundaryLink]:
     return [link for link in plan.links if link.peer_node_id and link.role == cpb.LINK_ROLE_UNSPECIFIED]
 
 
+def planned_peer(link: cpb.BoundaryLink) -> PlannedPeer:
+    """Who ``link`` puts on the other side of its boundary, with the boundary's secret and pin."""
+    peer_stage = link.boundary + 1 if link.local_stage == link.boundary else link.boundary
+    return PlannedPeer(peer_stage, link.peer_node_id, link.link_secret, link.peer_certificate)
+
+
 class LinkManager:
     """Connects ``runners`` (this node's stages, by index) to their neighbours for ``plan``."""
 
@@ -69,8 +75,7 @@ class LinkManager:
         link = self.plan_links.get(boundary)
         if link is None or link.role != cpb.LINK_ROLE_ACCEPT:
             return None
-        peer_stage = boundary + 1 if link.local_stage == boundary else boundary
-        return PlannedPeer(peer_stage, link.peer_node_id, link.link_secret, link.peer_certificate)
+        return planned_peer(link)
 
     def local_stage(self, boundary: int) -> int:
         return self.plan_links[boundary].local_stage
@@ -119,14 +124,14 @@ class LinkManager:
         for b, link in self.plan_links.items():
             if link.role != cpb.LINK_ROLE_DIAL:
                 continue
-            peer_stage = b + 1 if link.local_stage == b else b
-            address = await self._peer_address(run_id, peer_stage, link)
+            peer = planned_peer(link)
+            address = await self._peer_address(run_id, peer.stage, link)
             stage_link, channel = await dial(
                 address,
                 self.identity,
                 b,
                 link.local_stage,
-                PlannedPeer(peer_stage, link.peer_node_id, link.link_secret, link.peer_certificate),
+                peer,
                 self.metrics,
                 self.settings.link,
                 timeout=timeout,
@@ -136,7 +141,7 @@ class LinkManager:
             self._channels.append(channel)
             self._install(b, stage_link)
             pinned = f" (certificate {link.peer_certificate})" if link.peer_certificate else ""
-            say(f"boundary {b}: dialled stage {peer_stage} at {address}{pinned}")
+            say(f"boundary {b}: dialled stage {peer.stage} at {address}{pinned}")
         for b, future in self._ready.items():
             try:
                 await asyncio.wait_for(asyncio.shield(future), timeout=timeout)

@@ -100,7 +100,8 @@ class StageService(stage_pb2_grpc.StageServicer):
         if acceptor is not None:
             problem = check_hello(first, acceptor.identity, None, acceptor.peer_of)
         if problem is None:
-            problem = _certificate_problem(context, acceptor.peer_of(first.hello.boundary))
+            peer = acceptor.peer_of(first.hello.boundary)
+            problem = _certificate_problem(context, peer)
         if problem is not None:
             code, reason = problem
             self.metrics.rejected.labels(rejection_reason(code)).inc()
@@ -108,8 +109,7 @@ class StageService(stage_pb2_grpc.StageServicer):
             await context.write(error_message(code, reason))
             return
         boundary = first.hello.boundary
-        secret = acceptor.peer_of(boundary).secret
-        await context.write(hello(acceptor.identity, boundary, acceptor.local_stage(boundary), secret))
+        await context.write(hello(acceptor.identity, boundary, acceptor.local_stage(boundary), peer.secret))
         link = StageLink(boundary, context.read, context.write, self.metrics, self.profile)
         try:
             await acceptor.attach(boundary, link)
