@@ -73,13 +73,11 @@ class StageWorker:
         self.config, self.index = config, index
         # What neighbours send is bounded against its recent norms (None: not checked; the
         # single-process pipeline trusts itself).
-        self.activation_guard, self.gradient_guard = (
-            (
-                NormGuard(f"stage {index}: received {what}", norm_bound)
-                for what in ("activations", "gradients")
-            )
-            if norm_bound is not None
-            else (None, None)
+        self.activation_guard = (
+            NormGuard(f"stage {index}: received activations", norm_bound) if norm_bound else None
+        )
+        self.gradient_guard = (
+            NormGuard(f"stage {index}: received gradients", norm_bound) if norm_bound else None
         )
         self.device, self.dtype = torch.device(device), dtype
         start, end = stage_layer_ranges(config.model.n_layers, config.n_stages)[index]

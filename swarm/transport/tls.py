@@ -84,30 +84,25 @@ class Security:
             return server.add_insecure_port(address)
         return server.add_secure_port(address, self.server_credentials())
 
-    def _options(self, options: Sequence[tuple[str, object]], server_name: str | None) -> list:
-        extra = [("grpc.ssl_target_name_override", server_name)] if self.tls and server_name else []
-        return [*options, *extra]
+    def _open(self, api, address: str, options: Sequence[tuple[str, object]], server_name: str | None):
+        """A channel from ``api`` (``grpc`` or ``grpc.aio``: the same channel functions)."""
+        if not self.tls:
+            return api.insecure_channel(address, options=list(options))
+        pinned = [("grpc.ssl_target_name_override", server_name)] if server_name else []
+        return api.secure_channel(address, self.channel_credentials(), options=[*options, *pinned])
 
     def aio_channel(
         self, address: str, options: Sequence[tuple[str, object]] = (), server_name: str | None = None
     ) -> grpc.aio.Channel:
         """An asyncio channel to ``address``; ``server_name``: the name the server's certificate must hold
         (default: the host of ``address``)."""
-        if not self.tls:
-            return grpc.aio.insecure_channel(address, options=list(options))
-        return grpc.aio.secure_channel(
-            address, self.channel_credentials(), options=self._options(options, server_name)
-        )
+        return self._open(grpc.aio, address, options, server_name)
 
     def channel(
         self, address: str, options: Sequence[tuple[str, object]] = (), server_name: str | None = None
     ) -> grpc.Channel:
         """A blocking channel, like :meth:`aio_channel`."""
-        if not self.tls:
-            return grpc.insecure_channel(address, options=list(options))
-        return grpc.secure_channel(
-            address, self.channel_credentials(), options=self._options(options, server_name)
-        )
+        return self._open(grpc, address, options, server_name)
 
 
 INSECURE = Security()
