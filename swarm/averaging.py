@@ -28,7 +28,7 @@ import collections
 import contextlib
 import hashlib
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import AsyncIterator  # noqa: UP035 - hivemind's ServicerBase recognises typing's streams only
 
@@ -36,7 +36,6 @@ import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, AllreduceException, TensorPartReducer
-from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter
@@ -125,8 +124,22 @@ class RoundStats:
     bytes_sent: int  # tensor-part bytes this replica sent: its parts to reducers, averages to senders
 
 
-class _Float64Reducer(TensorPartReducer):
-    """hivemind's reducer sums into a default-dtype (float32) buffer; this one sums in float64."""
+class _ScreeningReducer(TensorPartReducer):
+    """hivemind's reducer, summing in float64 (its own buffer has the default dtype, float32) and
+    handing every part, as hivemind deserialized it, to ``screen(sender index, part index, part,
+    weight)`` before it is summed (``screen`` raises to refuse it)."""
+
+    def __init__(
+        self, part_shapes, num_senders: int, screen: Callable[[int, int, torch.Tensor, float], None]
+    ):
+        self.screen = screen
+        super().__init__(part_shapes, num_senders)
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        self.screen(sender_index, part_index, tensor_part, weight)
+        return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
 
     def reset_accumulators(self):
         super().reset_accumulators()
@@ -141,7 +154,7 @@ class _Runner(AllReduceRunner):
         super().__init__(**kwargs)
         self.round = round_
         shapes = tuple(part.shape for part in self.parts_for_local_averaging)
-        self.tensor_part_reducer = _Float64Reducer(shapes, len(self.sender_peer_ids))
+        self.tensor_part_reducer = _ScreeningReducer(shapes, len(self.sender_peer_ids), self._screen)
         self.failed: set[PeerID] = set()
         self.aborted_by: set[PeerID] = set()
         self.bytes_sent = 0
@@ -177,7 +190,7 @@ class _Runner(AllReduceRunner):
         self.serving += 1
         self.served.clear()
         try:
-            async for message in self.rpc_aggregate_part(self._screened(stream, context.remote_id), context):
+            async for message in self.rpc_aggregate_part(stream, context):
                 if self.banned_senders:
                     yield averaging_pb2.AveragingData(code=averaging_pb2.CANCELLED)
                     return
@@ -188,25 +201,21 @@ class _Runner(AllReduceRunner):
             if not self.serving:
                 self.served.set()
 
-    async def _screened(
-        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender: PeerID
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """``sender``'s parts, each checked before it is summed; a poisoned one ends the stream with
-        :class:`PoisonedPart`, and hivemind's runner then drops the sender from the round."""
-        index = 0
-        agreed = self.round.weight_of(sender) if sender in self.round.peers else None
-        async for message in stream:
-            if agreed is None or not math.isclose(message.weight, agreed, rel_tol=1e-9):
-                self.poisoned.add(sender)
-                raise PoisonedPart(f"{sender} weighs its parts {message.weight}, not the agreed {agreed}")
-            if index < len(self.parts_for_local_averaging):
-                part = deserialize_torch_tensor(message.tensor_part)
-                problem = poison(part, self.parts_for_local_averaging[index], self.poison_factor)
-                if problem is not None:
-                    self.poisoned.add(sender)
-                    raise PoisonedPart(f"part {index} from {sender}: {problem}")
-            index += 1
-            yield message
+    def _screen(self, sender_index: int, part_index: int, part: torch.Tensor, weight: float) -> None:
+        """Refuse another member's part (:class:`PoisonedPart`; hivemind's runner then drops the
+        sender) that claims another weight than the agreed one, or that :func:`poison` refuses."""
+        sender = self.sender_peer_ids[sender_index]
+        if sender == self.peer_id:
+            return
+        agreed = self.round.weight_of(sender)
+        problem = (
+            f"weighs its parts {weight}, not the agreed {agreed}"
+            if not math.isclose(weight, agreed, rel_tol=1e-9)
+            else poison(part, self.parts_for_local_averaging[part_index], self.poison_factor)
+        )
+        if problem is not None:
+            self.poisoned.add(sender)
+            raise PoisonedPart(f"part {part_index} from {sender}: {problem}")
 
 
 class AveragingRouter(ServicerBase):
