@@ -36,7 +36,7 @@ from typing import NoReturn
 
 import grpc
 
-from coordinator.assignment import assign, links_for, stages_of
+from coordinator.assignment import add_replicas, assign, links_for, stages_of
 from coordinator.export import artifact_store, default_model_dir, trained_model
 from coordinator.rotation import Rejected, RotationCollector
 from coordinator.sessions import SESSION_TTL_S, Session, SessionRefused, Sessions, kept_secret
@@ -49,6 +49,7 @@ from swarm.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
 from swarm.codecs.base import PayloadError
 from swarm.config import RunConfig, config_hash
 from swarm.metrics import Metrics
+from swarm.replicas import deal
 from swarm.status import RATE_WINDOW, run_rates
 from swarm.subspace import SubspaceRotation, initial_artifacts
 from swarm.transport.channel import open_channel, server_options
@@ -157,6 +158,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.heartbeats: dict[str, coordinator_pb2.HeartbeatRequest] = {}  # the last one of each node
         self.left: set[str] = set()  # nodes that said Leave (since this process started)
         self.last_stages: dict[str, list[int]] = {}  # what each node hosted last
+        self.averaging: dict[str, str] = {}  # node id -> its P2P multiaddr for replica averaging
+        self.capacity: dict[str, float] = {}  # node id -> tokens/s of busy time, as it last reported
+        self.dealt = self._deal()  # per stage: microbatch -> the replica processing it, this epoch
         self.reaper: asyncio.Task[None] | None = None
         metrics.subspace_version.set(self.rotation.version)
         self._update_alive()
@@ -220,20 +224,25 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     # -- membership ---------------------------------------------------------------------------
 
-    def _owners(self) -> list[str | None]:
-        owners: list[str | None] = [None] * self.config.n_stages
+    def _owners(self) -> list[tuple[str, ...]]:
+        """Each stage's hosts (its replicas) in join order; the first is the stage's lead."""
+        owners: list[tuple[str, ...]] = [()] * self.config.n_stages
         for node in self.nodes.values():
             for s in node.stages:
-                owners[s] = node.id
+                owners[s] = (*owners[s], node.id)
         return owners
 
-    def _replan(self, before: list[str | None]) -> None:
-        """Hand free stages to standbys (join order), persist changed nodes, start an epoch on change."""
+    def _replan(self, before: list[tuple[str, ...]]) -> None:
+        """Hand free stages to standbys (join order), then (when the run allows replicas) make the
+        remaining standbys replicas of the weakest stages; persist changed nodes, start an epoch
+        on change."""
         if self.run_complete:
             self._update_alive()
             return
         standbys = [(n.id, n.max_stages) for n in self.nodes.values() if n.alive and not n.stages]
         owners = assign(self._owners(), standbys)
+        if self.config.train.replicas > 1:
+            owners = self._add_replicas(owners)
         for node in self.nodes.values():
             stages = stages_of(owners, node.id)
             if stages != node.stages:
@@ -243,8 +252,32 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self._start_epoch("stage owners changed")
         self._update_alive()
 
+    def _add_replicas(self, owners: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+        """Standbys that can average (a P2P address) join the stages of least measured capacity;
+        a stage whose hosts cannot all average takes none."""
+        hosting = {n for hosts in owners for n in hosts}
+        waiting = [
+            n.id for n in self.nodes.values() if n.alive and n.id not in hosting and self.averaging.get(n.id)
+        ]
+        closed = [s for s, hosts in enumerate(owners) if not all(self.averaging.get(n) for n in hosts)]
+        capacity = {n: self.capacity.get(n, 0.0) for hosts in owners for n in hosts}
+        return add_replicas(owners, waiting, capacity, self.config.train.replicas, closed)
+
+    def _deal(self) -> list[dict[int, str]]:
+        """Each stage's microbatches dealt among its replicas by capacity: microbatch -> node."""
+        dealt = []
+        for hosts in self._owners():
+            shares = (
+                deal(self.config.train.microbatches, [self.capacity.get(n, 0.0) for n in hosts])
+                if hosts
+                else []
+            )
+            dealt.append({mb: node for node, mbs in zip(hosts, shares, strict=True) for mb in mbs})
+        return dealt
+
     def _start_epoch(self, reason: str) -> None:
         """A new plan epoch, resuming from the latest verified cut; later snapshot records are dropped."""
+        self.dealt = self._deal()
         cut = self._latest_verified_cut()
         past = [r for r in self.checkpoints.values() if r.step > cut]
         self._forget(past)
@@ -319,7 +352,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         for link in links:
             if link.peer_node_id:
                 b = link.boundary
-                ends = f"{self.run_id}/{self.plan_epoch}/{b}/{owners[b]}/{owners[b + 1]}".encode()
+                up, down = (
+                    (node_id, link.peer_node_id) if link.local_stage == b else (link.peer_node_id, node_id)
+                )
+                ends = f"{self.run_id}/{self.plan_epoch}/{b}/{up}/{down}".encode()
                 link.link_secret = hmac.new(self.link_key, ends, hashlib.sha256).hexdigest()
                 link.peer_certificate = self.certificate_of.get(link.peer_node_id, "")
         return links
@@ -459,7 +495,23 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             links=self._links(node.id),
             resume_step=self.resume_step,
             restore=restore,
+            replicas=self._replicas(),
         )
+
+    def _replicas(self) -> list[coordinator_pb2.StageReplicas]:
+        """Every stage's replicas with their microbatches (as dealt at the epoch's start)."""
+        stages = []
+        for s, hosts in enumerate(self._owners()):
+            replicas = [
+                coordinator_pb2.StageReplica(
+                    node_id=n,
+                    microbatches=sorted(mb for mb, owner in self.dealt[s].items() if owner == n),
+                    averaging_address=self.averaging.get(n, "") if len(hosts) > 1 else "",
+                )
+                for n in hosts
+            ]
+            stages.append(coordinator_pb2.StageReplicas(stage=s, replicas=replicas))
+        return stages
 
     async def Heartbeat(self, request, context):
         node = self._alive_node(request.node_id)
@@ -469,6 +521,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         session = await self._require_session(request.node_id, context)
         self.last_seen[node.id] = time.monotonic()
         self.heartbeats[node.id] = request
+        self._heard_averaging(node, request)
         reply = coordinator_pb2.HeartbeatReply(
             known=True,
             plan_epoch=self.plan_epoch,
@@ -480,6 +533,22 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if request.plan_epoch != self.plan_epoch:
             reply.plan.CopyFrom(self._plan(node))
         return reply
+
+    def _heard_averaging(self, node: NodeRecord, request: coordinator_pb2.HeartbeatRequest) -> None:
+        """Note a heartbeat's capacity and averaging address: a standby that can average now may
+        become a replica; a replica whose address changed (it restarted its P2P, or this
+        coordinator restarted) needs a plan that carries the new one."""
+        if request.capacity_tokens_per_second > 0:
+            self.capacity[node.id] = request.capacity_tokens_per_second
+        address = request.averaging_address[:1024]
+        if self.config.train.replicas <= 1 or address == self.averaging.get(node.id, ""):
+            return
+        self.averaging[node.id] = address
+        owners = self._owners()
+        if not node.stages:
+            self._replan(owners)
+        elif any(len(owners[s]) > 1 for s in node.stages):
+            self._start_epoch(f"node {node.id[:8]} averages at a new address")
 
     async def Leave(self, request, context):
         await self._require_session(request.node_id, context)

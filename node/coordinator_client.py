@@ -66,6 +66,8 @@ class CoordinatorClient:
         self.phase = cpb.NODE_PHASE_JOINING
         self.completed_step = -1
         self.tokens_per_second = 0.0  # of the last step, as reported in heartbeats
+        self.capacity = 0.0  # tokens/s of busy time in the last step, as reported in heartbeats
+        self.averaging_address = ""  # this node's P2P multiaddr for replica averaging (heartbeats)
         self.subspace_version = 0
         self.run_complete = False
         self.cut_requests = 0
@@ -157,9 +159,11 @@ class CoordinatorClient:
         self.phase = phase
         self.metrics.phase.set(phase)
 
-    def progress(self, step: int, tokens_per_second: float, subspace_version: int) -> None:
+    def progress(
+        self, step: int, tokens_per_second: float, subspace_version: int, capacity: float = 0.0
+    ) -> None:
         """The hosted stages completed ``step``: the next heartbeats say so."""
-        self.completed_step, self.tokens_per_second = step, tokens_per_second
+        self.completed_step, self.tokens_per_second, self.capacity = step, tokens_per_second, capacity
         self.subspace_version = subspace_version
         self.metrics.subspace_version.set(subspace_version)
 
@@ -173,6 +177,8 @@ class CoordinatorClient:
             plan_epoch=epoch,
             tokens_per_second=self.tokens_per_second,
             subspace_version=self.subspace_version,
+            averaging_address=self.averaging_address,
+            capacity_tokens_per_second=self.capacity,
         )
         # Not retried: the next heartbeat is the retry, and it must not wait out a backoff.
         reply = await self.call("Heartbeat", request, retry=False)

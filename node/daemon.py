@@ -36,12 +36,14 @@ import torch
 from node.coordinator_client import CoordinatorClient, CoordinatorUnreachable, Fenced, JoinRefused
 from node.link_manager import LinkManager, unreachable_boundaries
 from node.links import CLOSE_FLUSH_S, BadFrameError, LinkError, RunIdentity
+from node.replica_averaging import ReplicaGroup, Sibling
 from node.settings import NodeSettings
 from node.stage_host import Checkpointer, StageHost
 from node.stage_service import StageService
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
 from swarm._proto.swarm.v1 import stage_pb2, stage_pb2_grpc
 from swarm.artifacts import ArtifactCache, matrix_from_bytes
+from swarm.averaging import ReplicaAverager
 from swarm.checkpoint import SnapshotStore
 from swarm.config import RunConfig, config_hash, pick_device
 from swarm.data import TokenDataset, load_dataset
@@ -64,9 +66,13 @@ log = logging.getLogger("swarm-node")
 
 
 def _peer_across(plan: cpb.Plan, error: Exception) -> str:
-    """The node across the boundary a :class:`LinkError` names ("" when it names none)."""
+    """The node a :class:`LinkError` names, else the one across the boundary it names when that
+    boundary has a single peer ("" when it names none)."""
+    if peer := getattr(error, "peer_node_id", ""):
+        return peer
     boundary = getattr(error, "boundary", None)
-    return next((link.peer_node_id for link in plan.links if link.boundary == boundary), "")
+    peers = {link.peer_node_id for link in plan.links if link.boundary == boundary}
+    return peers.pop() if len(peers) == 1 else ""
 
 
 @dataclass
@@ -106,6 +112,7 @@ class NodeDaemon:
         self._loaded_dataset: TokenDataset | None = None
         self._tasks: list[asyncio.Task] = []
         self._boundaries_opened: set[int] = set()  # by every epoch so far (reconnect metric)
+        self._averagers: dict[int, ReplicaAverager] = {}  # per stage replicated here, on the DHT's P2P
 
     # -- main -------------------------------------------------------------------------------
 
@@ -311,7 +318,34 @@ class NodeDaemon:
                 session.cancel()
             await asyncio.gather(session, return_exceptions=True)
 
+    async def _averaging(self, plan: cpb.Plan):
+        """The factory of this epoch's replica groups, after starting an averager for every hosted
+        stage the plan replicates (once per stage: its handlers stay on the P2P)."""
+        replicated = [e for e in plan.replicas if e.stage in plan.stages and len(e.replicas) > 1]
+        if replicated and self.dht is None:
+            raise LinkError("the plan makes this node a stage replica, but it has no P2P to average over")
+        timeout = min(60.0, self.settings.timeouts.step_s)
+        for entry in replicated:
+            if entry.stage not in self._averagers:
+                averager = ReplicaAverager(
+                    self.dht.protocol.p2p,
+                    f"swarm-stage-{entry.stage}",
+                    sender_timeout=timeout / 2,  # hivemind: shorter than the reducers' timeout
+                    reducer_timeout=timeout,
+                    join_wait=self.settings.timeouts.step_s,
+                )
+                await averager.start()
+                self._averagers[entry.stage] = averager
+
+        def group(entry: cpb.StageReplicas, statistic_due) -> ReplicaGroup:
+            siblings = [Sibling(r.node_id, r.averaging_address, len(r.microbatches)) for r in entry.replicas]
+            key = f"{self.identity.run_id}/{plan.epoch}/{entry.stage}"
+            return ReplicaGroup(self._averagers[entry.stage], key, siblings, self.node_id, statistic_due)
+
+        return group
+
     async def _session(self, plan: cpb.Plan, fixed: torch.Tensor) -> bool:
+        averaging_for = await self._averaging(plan)
         host = StageHost(
             self.config,
             plan,
@@ -322,6 +356,7 @@ class NodeDaemon:
             self.metrics,
             self._dataset,
             self.settings.timeouts,
+            averaging_for,
         )
         await host.build()
         links = LinkManager(
@@ -338,6 +373,7 @@ class NodeDaemon:
         try:
             self.client.set_phase(cpb.NODE_PHASE_READY)
             await links.connect(self.identity.run_id)
+            await host.connect_replicas()
             self.client.set_phase(cpb.NODE_PHASE_TRAINING)
             finished = await host.train(self._take_cut_request, self.leaving)
             self._final_cut = host.last_cut
@@ -432,7 +468,9 @@ class NodeDaemon:
         except Exception as e:  # discovery is an optimisation: the plan's addresses are enough
             log.warning("DHT unavailable, discovery falls back to the coordinator's addresses: %s", e)
             return
-        say(f"DHT joined at {', '.join(await visible_maddrs(self.dht))}")
+        maddrs = await visible_maddrs(self.dht)
+        say(f"DHT joined at {', '.join(maddrs)}")
+        self.client.averaging_address = maddrs[0]  # where replicas of a stage reach this node's P2P
         self._tasks.append(asyncio.create_task(self._refresh_endpoints(reply.run_id)))
 
     async def _refresh_endpoints(self, run_id: str) -> None:

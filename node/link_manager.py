@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from dataclasses import replace
 
@@ -42,6 +43,13 @@ def planned_peer(link: cpb.BoundaryLink) -> PlannedPeer:
     return PlannedPeer(peer_stage, link.peer_node_id, link.link_secret, link.peer_certificate)
 
 
+def _fail(runner: StageRunner, peer_node_id: str, error: Exception) -> None:
+    """A stream to ``peer_node_id`` ended: fail the runner's step, naming the peer."""
+    if isinstance(error, LinkError) and not error.peer_node_id:
+        error.peer_node_id = peer_node_id
+    runner.fail(error)
+
+
 class LinkManager:
     """Connects ``runners`` (this node's stages, by index) to their neighbours for ``plan``."""
 
@@ -60,53 +68,54 @@ class LinkManager:
         stream opened again counts in ``swarm_stream_reconnects``)."""
         self.identity = replace(identity, plan_epoch=plan.epoch)
         self.stages = list(plan.stages)
-        self.plan_links = {link.boundary: link for link in plan.links}
+        # (boundary, peer node) -> link: a boundary has a stream per pair of neighbouring replicas
+        self.plan_links = {(link.boundary, link.peer_node_id): link for link in plan.links}
         self.runners, self.settings, self.metrics = runners, settings, metrics
         self.service, self.dht = service, dht
         self.opened = opened if opened is not None else set()
-        self._ready: dict[int, asyncio.Future] = {}
+        self._ready: dict[tuple[int, str], asyncio.Future] = {}
         self._links: list[StageLink] = []
         self._tasks: list[asyncio.Task] = []
         self._channels: list[grpc.aio.Channel] = []
 
     # -- Acceptor -------------------------------------------------------------------------------
 
-    def peer_of(self, boundary: int) -> PlannedPeer | None:
-        link = self.plan_links.get(boundary)
-        if link is None or link.role != cpb.LINK_ROLE_ACCEPT:
-            return None
-        return planned_peer(link)
+    def peers_of(self, boundary: int) -> list[PlannedPeer]:
+        return [
+            planned_peer(link)
+            for (b, _), link in self.plan_links.items()
+            if b == boundary and link.role == cpb.LINK_ROLE_ACCEPT
+        ]
 
     def local_stage(self, boundary: int) -> int:
-        return self.plan_links[boundary].local_stage
+        return next(link.local_stage for (b, _), link in self.plan_links.items() if b == boundary)
 
-    async def attach(self, boundary: int, link: StageLink) -> None:
-        """An accepted stream: install it and read it until it closes."""
-        future = self._ready.get(boundary)
+    async def attach(self, boundary: int, node_id: str, link: StageLink) -> None:
+        """An accepted stream from ``node_id``: install it and read it until it closes."""
+        future = self._ready.get((boundary, node_id))
         if future is None or future.done():
             self.metrics.rejected.labels(rejection_reason(stage_pb2.ERROR_CODE_WRONG_BOUNDARY)).inc()
             await link.send_error(
-                stage_pb2.ERROR_CODE_WRONG_BOUNDARY, f"boundary {boundary} expects no (further) stream"
+                stage_pb2.ERROR_CODE_WRONG_BOUNDARY,
+                f"boundary {boundary} expects no (further) stream from {node_id[:8]}",
             )
             return
-        task = self._install(boundary, link)
+        task = self._install(self.plan_links[boundary, node_id], link)
         future.set_result(link)
         await task
 
     # -- connecting -----------------------------------------------------------------------------
 
-    def _install(self, boundary: int, link: StageLink) -> asyncio.Task:
-        local = self.plan_links[boundary].local_stage
-        runner = self.runners[local]
-        if local == boundary:  # the peer is downstream
-            runner.downstream, deliver = link, runner.deliver_from_downstream
-        else:
-            runner.upstream, deliver = link, runner.deliver_from_upstream
+    def _install(self, plan_link: cpb.BoundaryLink, link: StageLink) -> asyncio.Task:
+        boundary, runner = plan_link.boundary, self.runners[plan_link.local_stage]
+        deliver = runner.attach(link, plan_link.peer_node_id, downstream=plan_link.local_stage == boundary)
         self._links.append(link)
         if boundary in self.opened:
             self.metrics.reconnects.labels(str(boundary)).inc()
         self.opened.add(boundary)
-        task = asyncio.create_task(link.pump(deliver, runner.fail))
+        task = asyncio.create_task(
+            link.pump(deliver, functools.partial(_fail, runner, plan_link.peer_node_id))
+        )
         self._tasks.append(task)
         return task
 
@@ -114,14 +123,14 @@ class LinkManager:
         """Open or accept every cross-node boundary stream of the plan (bounded by the connect timeout)."""
         timeout = self.settings.timeouts.connect_s
         loop = asyncio.get_running_loop()
-        for b, link in self.plan_links.items():
+        for key, link in self.plan_links.items():
             if link.role == cpb.LINK_ROLE_ACCEPT:
-                self._ready[b] = loop.create_future()
+                self._ready[key] = loop.create_future()
         if self._ready:
             if self.service is None:
                 raise LinkError("the plan has this node accept streams, but it has no --listen address")
             self.service.acceptor = self
-        for b, link in self.plan_links.items():
+        for (b, _), link in self.plan_links.items():
             if link.role != cpb.LINK_ROLE_DIAL:
                 continue
             peer = planned_peer(link)
@@ -139,17 +148,17 @@ class LinkManager:
                 security=self.settings.security,
             )
             self._channels.append(channel)
-            self._install(b, stage_link)
+            self._install(link, stage_link)
             pinned = f" (certificate {link.peer_certificate})" if link.peer_certificate else ""
             say(f"boundary {b}: dialled stage {peer.stage} at {address}{pinned}")
-        for b, future in self._ready.items():
+        for (b, peer_id), future in self._ready.items():
             try:
                 await asyncio.wait_for(asyncio.shield(future), timeout=timeout)
             except TimeoutError:
                 raise LinkError(
-                    f"boundary {b}: the neighbour did not dial in within {timeout:.0f}s", b
+                    f"boundary {b}: the neighbour {peer_id[:8]} did not dial in within {timeout:.0f}s", b
                 ) from None
-            say(f"boundary {b}: accepted stream from stage {self.peer_of(b).stage}")
+            say(f"boundary {b}: accepted stream from stage {planned_peer(self.plan_links[b, peer_id]).stage}")
 
     async def _peer_address(self, run_id: str, peer_stage: int, link: cpb.BoundaryLink) -> str:
         """The peer's Stage address: the coordinator's (the authority on who hosts what); the DHT

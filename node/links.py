@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -43,11 +43,12 @@ Deliver = Callable[[Item], None]
 
 
 class LinkError(RuntimeError):
-    """The peer refused the stream or reported an error on it; ``boundary`` says which, when known."""
+    """The peer refused the stream or reported an error on it; ``boundary`` says which and
+    ``peer_node_id`` who, when known."""
 
-    def __init__(self, message: str, boundary: int | None = None):
+    def __init__(self, message: str, boundary: int | None = None, peer_node_id: str = ""):
         super().__init__(message)
-        self.boundary = boundary
+        self.boundary, self.peer_node_id = boundary, peer_node_id
 
 
 class BadFrameError(LinkError):
@@ -94,12 +95,12 @@ def check_hello(
     msg: stage_pb2.StageMessage | object,
     identity: RunIdentity,
     boundary: int | None,
-    peer_of: Callable[[int], PlannedPeer | None],
+    peers_of: Callable[[int], Sequence[PlannedPeer]],
 ) -> tuple[int, str] | None:
     """``None`` if ``msg`` is an acceptable Hello, else ``(ErrorCode, reason)``.
 
-    ``peer_of(boundary)`` gives the stage and node the plan puts on the other side of
-    that boundary (``None`` for a boundary this node does not serve).
+    ``peers_of(boundary)`` gives the stage and node of each replica the plan puts on the other
+    side of that boundary (empty for a boundary this node does not serve).
     """
     if not isinstance(msg, stage_pb2.StageMessage) or msg.WhichOneof("body") != "hello":
         return stage_pb2.ERROR_CODE_UNEXPECTED_MESSAGE, "the first message of a stream must be a Hello"
@@ -111,21 +112,29 @@ def check_hello(
         )
     if h.run_id != identity.run_id or h.config_hash != identity.config_hash:
         return stage_pb2.ERROR_CODE_CONFIG_MISMATCH, f"peer is in run {h.run_id} config {h.config_hash[:12]}"
-    peer = peer_of(h.boundary)
-    if (boundary is not None and h.boundary != boundary) or peer is None or peer.stage != h.stage:
+    peers = [p for p in peers_of(h.boundary) if p.stage == h.stage]
+    if (boundary is not None and h.boundary != boundary) or not peers:
         return (
             stage_pb2.ERROR_CODE_WRONG_BOUNDARY,
             f"boundary {h.boundary} stage {h.stage} is not served here",
         )
-    if not hmac.compare_digest(h.auth_token.encode(), peer.secret.encode()):
+    peer = planned(peers, h.node_id)
+    candidates = [peer] if peer is not None else peers
+    if not any(hmac.compare_digest(h.auth_token.encode(), p.secret.encode()) for p in candidates):
         return stage_pb2.ERROR_CODE_UNAUTHENTICATED, f"wrong secret for boundary {h.boundary}"
-    if h.plan_epoch != identity.plan_epoch or h.node_id != peer.node_id:
+    if h.plan_epoch != identity.plan_epoch or peer is None:
+        names = ", ".join(p.node_id[:8] for p in peers)
         return (
             stage_pb2.ERROR_CODE_PLAN_EPOCH,
             f"node {h.node_id[:8]} at plan epoch {h.plan_epoch}; this side follows epoch "
-            f"{identity.plan_epoch}, which puts node {peer.node_id[:8]} there",
+            f"{identity.plan_epoch}, which puts node(s) {names} there",
         )
     return None
+
+
+def planned(peers: Sequence[PlannedPeer], node_id: str) -> PlannedPeer | None:
+    """The planned peer that is ``node_id``, if any."""
+    return next((p for p in peers if p.node_id == node_id), None)
 
 
 def rejection_reason(code: int) -> str:
@@ -169,8 +178,8 @@ def item_from_message(msg: stage_pb2.StageMessage) -> Item:
 class LocalLink:
     """Two stages on one node: frames are handed over in memory (still encoded bytes)."""
 
-    def __init__(self, deliver: Deliver):
-        self.deliver = deliver
+    def __init__(self, deliver: Deliver | None = None):
+        self.deliver = deliver  # set before the first send
 
     async def send(self, item: Item) -> int:
         self.deliver(item)
@@ -363,7 +372,7 @@ async def dial(
                 if reply.error.code == stage_pb2.ERROR_CODE_PLAN_EPOCH:
                     raise _NotYet(reply.error.message)
                 item_from_message(reply)  # raises LinkError with the peer's reason
-            problem = check_hello(reply, identity, boundary, lambda b: peer)
+            problem = check_hello(reply, identity, boundary, lambda b: [peer])
             if problem is not None:
                 raise LinkError(f"boundary {boundary}: peer at {address} answered badly: {problem[1]}")
             return StageLink(boundary, call.read, call.write, metrics, profile, call.done_writing), channel

@@ -11,6 +11,12 @@ are GPipe's up to the order of fp32 accumulation. Then neighbours
 exchange boundary state (MAPL gradient shares, RVQ codebook deltas), the optimizer
 steps, and a rotation announced for the next step is waited for and applied.
 
+With replicas (several nodes hosting one stage, :mod:`swarm.replicas`) a stage processes only
+its own microbatches of each step, sends each activation to the next stage's replica the plan
+routes it to and each gradient back to the replica it came from, refuses frames from any other
+peer, and averages its gradients with its sibling replicas (:class:`StageAveraging`) before the
+optimizer step.
+
 A step can be marked as a checkpoint cut on the fly: stage 0 sets ``cut`` on the step's
 activation frames and every stage forwards the mark, so all of them know to snapshot
 after that step (used when a node is about to leave).
@@ -24,10 +30,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -36,6 +44,7 @@ from swarm._proto.swarm.v1 import stage_pb2
 from swarm.codecs.base import PayloadError, StaleVersionError
 from swarm.mapl import pack_gradients, sum_gradients, unpack_gradients
 from swarm.metrics import Metrics
+from swarm.replicas import Routes
 from swarm.wire import ActivationFrame, BoundarySync, GradientFrame
 from swarm.worker import StageStats, StageWorker
 
@@ -56,10 +65,36 @@ class StepOutcome:
     seconds: float
     cut: bool = False  # the step was marked as a checkpoint cut
     peak_live_microbatches: int = 0  # most microbatches whose activations the stage held at once
+    busy_seconds: float = 0.0  # computing or waiting for room to send (not waiting for neighbours)
+    own_tokens: int = 0  # tokens this replica processed (stats.tokens: the whole stage's, summed)
+
+
+@dataclass
+class StepCounts:
+    """What a step of one replica adds to the stage's totals (summed across replicas)."""
+
+    tokens: int
+    loss_sum: float
+    loss_count: int
+    wire_bytes_forward: int
+    wire_bytes_backward: int
+    cut: bool
+
+
+class StageAveraging(Protocol):
+    """Averages a stage's gradients and sums its step counts across the stage's replicas."""
+
+    async def connect(self) -> None: ...
+
+    async def combine(self, step: int, worker: StageWorker, counts: StepCounts) -> StepCounts: ...
 
 
 class StageRunner:
-    """Runs one :class:`StageWorker` against its two links, one step at a time."""
+    """Runs one :class:`StageWorker` against the links to its neighbouring replicas, one step at a time.
+
+    ``routes``: this replica's microbatches and their neighbours (default: every microbatch, one
+    neighbour each way); ``averaging``: how it averages with its sibling replicas (None: it has none).
+    """
 
     def __init__(
         self,
@@ -68,13 +103,18 @@ class StageRunner:
         batch_for_step: Callable[[int], torch.Tensor] | None = None,
         rotation_ready: Callable[[int], Awaitable[None]] | None = None,
         timeout: float = 300.0,
+        routes: Routes | None = None,
+        averaging: StageAveraging | None = None,
     ):
         self.worker, self.metrics, self.timeout = worker, metrics, timeout
         self.batch_for_step, self.rotation_ready = batch_for_step, rotation_ready
-        self.upstream = None  # link to stage index-1 (StageLink or LocalLink)
-        self.downstream = None  # link to stage index+1
-        self._activations: asyncio.Queue[ActivationFrame] = asyncio.Queue()
-        self._gradients: asyncio.Queue[GradientFrame] = asyncio.Queue()
+        self.routes = routes or Routes.alone(worker.config.train.microbatches)
+        self.averaging = averaging
+        # links to the replicas of stage index-1 / index+1 (StageLink or LocalLink), by node id
+        self.upstream_links: dict[str, object] = {}
+        self.downstream_links: dict[str, object] = {}
+        self._activations: asyncio.Queue[tuple[str, ActivationFrame]] = asyncio.Queue()
+        self._gradients: asyncio.Queue[tuple[str, GradientFrame]] = asyncio.Queue()
         self._syncs_up: asyncio.Queue[BoundarySync] = asyncio.Queue()
         self._syncs_down: asyncio.Queue[BoundarySync] = asyncio.Queue()
         self.failure: Exception | None = None
@@ -83,21 +123,61 @@ class StageRunner:
     def index(self) -> int:
         return self.worker.index
 
+    # -- links --------------------------------------------------------------------------------
+
+    def attach(self, link, peer: str, downstream: bool) -> Callable[[object], None]:
+        """Use ``link`` to reach ``peer``, a replica of the next (``downstream``) or previous stage;
+        returns the callback that delivers what arrives from it."""
+        if downstream:
+            self.downstream_links[peer] = link
+            return functools.partial(self.deliver_from_downstream, sender=peer)
+        self.upstream_links[peer] = link
+        return functools.partial(self.deliver_from_upstream, sender=peer)
+
+    @property
+    def upstream(self):
+        """The link to stage index-1 for boundary syncs (MAPL, RVQ: configurations with one
+        replica per stage, so one link); None on stage 0."""
+        return next(iter(self.upstream_links.values()), None)
+
+    @property
+    def downstream(self):
+        """The link to stage index+1 for boundary syncs; None on the last stage."""
+        return next(iter(self.downstream_links.values()), None)
+
     # -- delivery from links --------------------------------------------------------------------
 
-    def deliver_from_upstream(self, item) -> None:
+    def deliver_from_upstream(self, item, sender: str = "") -> None:
         if isinstance(item, ActivationFrame):
-            self._count_dense(self.index - 1, "forward", "received", item)
-            self._enqueue(self._activations, item, self.index - 1)
+            if self._routed(item, self.routes.upstream, sender, self.index - 1):
+                self._count_dense(self.index - 1, "forward", "received", item)
+                self._enqueue(self._activations, (sender, item), self.index - 1)
         else:
             self._enqueue(self._syncs_up, item, self.index - 1)
 
-    def deliver_from_downstream(self, item) -> None:
+    def deliver_from_downstream(self, item, sender: str = "") -> None:
         if isinstance(item, GradientFrame):
-            self._count_dense(self.index, "backward", "received", item)
-            self._enqueue(self._gradients, item, self.index)
+            if self._routed(item, self.routes.downstream, sender, self.index):
+                self._count_dense(self.index, "backward", "received", item)
+                self._enqueue(self._gradients, (sender, item), self.index)
         else:
             self._enqueue(self._syncs_down, item, self.index)
+
+    def _routed(self, frame, senders: Mapping[int, str], sender: str, boundary: int) -> bool:
+        """Whether ``frame`` comes from the replica its microbatch is routed through. A frame of
+        another replica's microbatch fails the step and gets its sender reported; one outside the
+        step's microbatches goes on to the worker, which refuses it."""
+        mb = frame.microbatch
+        if not 0 <= mb < self.worker.config.train.microbatches or senders.get(mb) == sender:
+            return True
+        self.metrics.rejected.labels("misrouted").inc()
+        who = sender[:8] or "the peer"
+        self.fail(
+            BadFrameError(
+                f"boundary {boundary}: {who} sent microbatch {mb}, not routed through it", boundary, sender
+            )
+        )
+        return False
 
     def _enqueue(self, queue: asyncio.Queue, item, boundary: int) -> None:
         """Queue a delivered item. An honest neighbour is at most a step ahead (M frames, a few
@@ -156,20 +236,33 @@ class StageRunner:
         self._cut, self._peak_live = cut, 0
         chunks = self.batch_for_step(step).chunk(n_micro) if w.is_first else None
         fwd_wire = bwd_wire = 0
-        if w.config.train.schedule == "1f1b":
-            warmup = min(w.config.n_stages - 1 - w.index, n_micro)
-            order = ["F"] * warmup + ["F", "B"] * (n_micro - warmup) + ["B"] * warmup
-            last_backwards = iter(range(n_micro))  # the last stage backpropagates in forward order
+        self._busy, self._forwarded = 0.0, []
+        own = self.routes.own
+        one_f_one_b = w.config.train.schedule == "1f1b"
+        if one_f_one_b:
+            warmup = min(w.config.n_stages - 1 - w.index, len(own))
+            order = ["F"] * warmup + ["F", "B"] * (len(own) - warmup) + ["B"] * warmup
         else:
-            order = ["F"] * n_micro + ["B"] * n_micro
-            last_backwards = iter(reversed(range(n_micro)))
-        forwards = iter(range(n_micro))
+            order = ["F"] * len(own) + ["B"] * len(own)
+        forwards = iter(own)
         for op in order:
             if op == "F":
                 fwd_wire += await self._forward_next(step, next(forwards), chunks)
             else:
-                bwd_wire += await self._backward_next(step, last_backwards)
-        cut = self._cut
+                # the last stage backpropagates in the order it forwarded (1F1B) or reversed (GPipe)
+                bwd_wire += await self._backward_next(step, 0 if one_f_one_b else -1)
+        own_tokens = w.stats.tokens
+        counts = StepCounts(
+            w.stats.tokens, w.stats.loss_sum, w.stats.loss_count, fwd_wire, bwd_wire, self._cut
+        )
+        if self.averaging is not None:
+            counts = await self.averaging.combine(step, w, counts)
+            w.stats.tokens, w.stats.loss_sum, w.stats.loss_count = (
+                counts.tokens,
+                counts.loss_sum,
+                counts.loss_count,
+            )
+        cut = counts.cut
         await self._exchange_mapl_shares(step)
         stats = await asyncio.to_thread(w.optimizer_step, step)
         delta = await asyncio.to_thread(w.codebook_delta)
@@ -183,13 +276,26 @@ class StageRunner:
         seconds = time.perf_counter() - start
         self._observe(step, stats, seconds)
         self.metrics.live_microbatches.labels(str(w.index)).set(self._peak_live)
-        return StepOutcome(w.index, step, stats, fwd_wire, bwd_wire, seconds, cut, self._peak_live)
+        return StepOutcome(
+            w.index,
+            step,
+            stats,
+            counts.wire_bytes_forward,
+            counts.wire_bytes_backward,
+            seconds,
+            cut,
+            self._peak_live,
+            self._busy,
+            own_tokens,
+        )
 
     async def _compute(self, kind: str, fn: Callable, *args):
         """``fn(*args)`` in a worker thread, timed into ``swarm_microbatch_compute_seconds``."""
         start = time.perf_counter()
         result = await asyncio.to_thread(fn, *args)
-        self.metrics.microbatch_compute.labels(str(self.index), kind).observe(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self._busy += seconds
+        self.metrics.microbatch_compute.labels(str(self.index), kind).observe(seconds)
         return result
 
     async def _forward_next(self, step: int, mb: int, chunks) -> int:
@@ -197,53 +303,60 @@ class StageRunner:
         w = self.worker
         if w.is_first:
             frame = await self._compute("forward", w.forward, step, mb, chunks[mb])
+            self._forwarded.append(mb)
         else:
-            received = await self._get(self._activations, "activation", step)
+            sender, received = await self._get(self._activations, "activation", step)
             self._cut = self._cut or received.cut
-            frame = await self._forward(step, received)
+            frame = await self._forward(step, sender, received)
+            self._forwarded.append(received.microbatch)
         self._peak_live = max(self._peak_live, w.live_microbatches)
         return 0 if w.is_last else await self._send_down(frame, self._cut)
 
-    async def _backward_next(self, step: int, last_stage_order) -> int:
-        """The next microbatch backward (the last stage: in ``last_stage_order``; others: the next
-        gradient to arrive); bytes sent."""
+    async def _backward_next(self, step: int, last_stage_pick: int) -> int:
+        """The next microbatch backward (the last stage: the forwarded one at ``last_stage_pick``,
+        0 the oldest or -1 the newest; others: the next gradient to arrive); bytes sent."""
         w = self.worker
         if w.is_last:
-            grad = await self._compute("backward", w.backward, step, next(last_stage_order))
+            grad = await self._compute("backward", w.backward, step, self._forwarded.pop(last_stage_pick))
         else:
-            grad = await self._backward(step, await self._get(self._gradients, "gradient", step))
-        return 0 if grad is None or self.upstream is None else await self._send_up(grad)
+            sender, received = await self._get(self._gradients, "gradient", step)
+            grad = await self._backward(step, sender, received)
+        return 0 if grad is None or w.is_first else await self._send_up(grad)
 
     async def _send_down(self, frame: ActivationFrame, cut: bool) -> int:
         frame = dataclasses.replace(frame, cut=cut) if cut else frame
         self._count_dense(self.index, "forward", "sent", frame)
-        return await self._send(self.downstream, self.index, "forward", frame)
+        link = self.downstream_links[self.routes.downstream[frame.microbatch]]
+        return await self._send(link, self.index, "forward", frame)
 
     async def _send_up(self, frame: GradientFrame) -> int:
         self._count_dense(self.index - 1, "backward", "sent", frame)
-        return await self._send(self.upstream, self.index - 1, "backward", frame)
+        link = self.upstream_links[self.routes.upstream[frame.microbatch]]
+        return await self._send(link, self.index - 1, "backward", frame)
 
     async def _send(self, link, boundary: int, direction: str, frame) -> int:
         """Queue one microbatch's frame (the link transmits it while compute goes on), timing any
         backpressure into ``swarm_microbatch_wire_seconds``; its bytes."""
         start = time.perf_counter()
         sent = await link.send(frame)
-        self.metrics.microbatch_wire.labels(str(boundary), direction).observe(time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self._busy += seconds
+        self.metrics.microbatch_wire.labels(str(boundary), direction).observe(seconds)
         return sent
 
-    async def _forward(self, step: int, frame: ActivationFrame):
+    async def _forward(self, step: int, sender: str, frame: ActivationFrame):
         try:
             return await self._compute("forward", self.worker.forward, step, frame.microbatch, frame)
         except PayloadError as e:
-            raise await self._reject(self.upstream, self.index - 1, e) from e
+            raise await self._reject(self.upstream_links[sender], self.index - 1, sender, e) from e
 
-    async def _backward(self, step: int, frame: GradientFrame):
+    async def _backward(self, step: int, sender: str, frame: GradientFrame):
         try:
             return await self._compute("backward", self.worker.backward, step, frame.microbatch, frame)
         except PayloadError as e:
-            raise await self._reject(self.downstream, self.index, e) from e
+            raise await self._reject(self.downstream_links[sender], self.index, sender, e) from e
 
-    async def _reject(self, link, boundary: int, error: PayloadError) -> Exception:
+    async def _reject(self, link, boundary: int, sender: str, error: PayloadError) -> Exception:
         """Answer a frame that failed validation with an ``Error`` and count it; the exception the step
         fails with: a stale subspace version as it is (a timing matter between honest peers), anything
         else as :class:`BadFrameError`, which gets the sender evicted."""
@@ -253,7 +366,7 @@ class StageRunner:
         await link.send_error(code, str(error))
         if stale:
             return error
-        return BadFrameError(f"boundary {boundary}: bad frame from the peer: {error}", boundary)
+        return BadFrameError(f"boundary {boundary}: bad frame from the peer: {error}", boundary, sender)
 
     async def _exchange_mapl_shares(self, step: int) -> None:
         """Send this side's MAPL gradient shares, add the neighbours' (the sum is identical on both)."""

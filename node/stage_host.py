@@ -21,7 +21,7 @@ import torch
 
 from node.coordinator_client import CoordinatorClient
 from node.links import LocalLink
-from node.schedule import StageRunner, StepOutcome
+from node.schedule import StageAveraging, StageRunner, StepOutcome
 from node.settings import Timeouts
 from swarm import checkpoint
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
@@ -30,6 +30,7 @@ from swarm.data import BatchSampler, TokenDataset, batch_ids
 from swarm.logs import say
 from swarm.metrics import Metrics
 from swarm.norm_guard import NormBound
+from swarm.replicas import Routes
 from swarm.subspace import initial_basis
 from swarm.worker import StageWorker
 
@@ -92,6 +93,26 @@ class Checkpointer:
         say(f"snapshot of stage {stage} after step {step}: {len(data)} bytes, uploaded in {seconds:.2f} s")
 
 
+def connect_local(up: StageRunner, down: StageRunner, node_id: str) -> None:
+    """Consecutive stages on this node: frames handed over in memory."""
+    to_down, to_up = LocalLink(), LocalLink()
+    to_down.deliver = down.attach(to_up, node_id, downstream=False)
+    to_up.deliver = up.attach(to_down, node_id, downstream=True)
+
+
+def microbatch_owners(plan: cpb.Plan) -> list[dict[int, str]]:
+    """Per stage: microbatch -> the node processing it, as the plan deals them."""
+    owners: list[dict[int, str]] = [{} for _ in plan.replicas]
+    for entry in plan.replicas:
+        for replica in entry.replicas:
+            owners[entry.stage].update(dict.fromkeys(replica.microbatches, replica.node_id))
+    return owners
+
+
+# The averaging of a hosted stage with its sibling replicas (None: it has none), made per epoch.
+AveragingFactory = Callable[[cpb.StageReplicas, Callable[[int], bool]], StageAveraging | None]
+
+
 class StageHost:
     """This node's stages for one plan epoch."""
 
@@ -106,10 +127,15 @@ class StageHost:
         metrics: Metrics,
         dataset: Callable[[], TokenDataset],
         timeouts: Timeouts,
+        averaging_for: AveragingFactory | None = None,
     ):
         self.config, self.plan, self.fixed, self.device = config, plan, fixed, device
         self.client, self.checkpointer, self.metrics = client, checkpointer, metrics
         self.dataset, self.timeouts = dataset, timeouts
+        self.averaging_for = averaging_for
+        self.node_id = client.node_id
+        # the stages this node leads (the first replica): it reports their steps, statistics, snapshots
+        self.leads = {e.stage for e in plan.replicas if e.replicas and e.replicas[0].node_id == self.node_id}
         self.runners: dict[int, StageRunner] = {}
         self.sampler: BatchSampler | None = None
         self.last_cut: int | None = None  # the last step snapshotted in this epoch
@@ -135,12 +161,12 @@ class StageHost:
         for s, runner in self.runners.items():
             nxt = self.runners.get(s + 1)
             if nxt is not None:
-                runner.downstream = LocalLink(nxt.deliver_from_upstream)
-                nxt.upstream = LocalLink(runner.deliver_from_downstream)
+                connect_local(runner, nxt, self.node_id)
 
     def _build(self, snapshots: dict[int, bytes]) -> None:
         basis = initial_basis(self.config)
         t = self.config.train
+        owners = microbatch_owners(self.plan)
         for s in self.plan.stages:
             worker = StageWorker(
                 self.config, s, self.fixed, basis, device=self.device, norm_bound=NormBound()
@@ -155,7 +181,19 @@ class StageHost:
                     raise RuntimeError(f"snapshot of stage {s} is of step {step}, the plan resumes after it")
             rotation_ready = self._rotation_ready(worker) if self.rotating else None
             batches = self._batches(sampler) if sampler is not None else None
-            self.runners[s] = StageRunner(worker, self.metrics, batches, rotation_ready, self.timeouts.step_s)
+            replicas = self.plan.replicas[s]
+            averaging = (
+                self.averaging_for(replicas, self._statistic_due) if len(replicas.replicas) > 1 else None
+            )
+            self.runners[s] = StageRunner(
+                worker,
+                self.metrics,
+                batches,
+                rotation_ready,
+                self.timeouts.step_s,
+                Routes.of(s, self.node_id, owners),
+                averaging,
+            )
 
     def _batches(self, sampler: BatchSampler) -> Callable[[int], torch.Tensor]:
         expected = [self.plan.resume_step]
@@ -182,6 +220,12 @@ class StageHost:
 
         return ready
 
+    async def connect_replicas(self) -> None:
+        """Connect to the sibling replicas of every replicated stage (before the first step)."""
+        for runner in self.runners.values():
+            if runner.averaging is not None:
+                await runner.averaging.connect()
+
     # -- training -------------------------------------------------------------------------------
 
     async def train(self, take_cut_request: Callable[[], bool], leaving: asyncio.Event) -> bool:
@@ -201,23 +245,35 @@ class StageHost:
             for outcome in results:
                 self._report(epoch, outcome)
             seconds = max(o.seconds for o in results)
+            busy = sum(o.busy_seconds for o in results)
             version = next(iter(self.runners.values())).worker.version
-            self.client.progress(step, results[0].stats.tokens / seconds if seconds > 0 else 0.0, version)
+            tokens = results[0].own_tokens
+            capacity = tokens / busy if busy > 0 else 0.0
+            self.client.progress(step, tokens / seconds if seconds > 0 else 0.0, version, capacity)
             if any(o.cut for o in results) or self.config.checkpoint.is_cut(step, steps):
                 states = await asyncio.to_thread(self._capture, step)
-                self.checkpointer.submit(epoch, states)
+                if states:
+                    self.checkpointer.submit(epoch, states)
                 self.last_cut = step
                 if leaving.is_set():
                     return False
         return True
 
     def _capture(self, step: int) -> list[dict]:
+        """Snapshots of the stages this node leads (replicas hold identical state: one is stored)."""
         return [
             checkpoint.capture(r.worker, step, self.sampler if r.worker.is_first else None)
-            for r in self.runners.values()
+            for s, r in self.runners.items()
+            if s in self.leads
         ]
 
+    def _statistic_due(self, step: int) -> bool:
+        """Whether the boundary statistic is reported after ``step`` (the rotation interval's end)."""
+        return self.rotating and (step + 1) % self.config.rotation.interval == 0
+
     def _report(self, epoch: int, outcome: StepOutcome) -> None:
+        if outcome.stage not in self.leads:
+            return
         s = outcome.stats
         request = cpb.StepReport(
             plan_epoch=epoch,
@@ -234,11 +290,7 @@ class StageHost:
             say(f"step {outcome.step} loss {request.loss:.4f}")
         self.client.report("ReportStep", request)
         worker = self.runners[outcome.stage].worker
-        if (
-            self.rotating
-            and worker.statistic is not None
-            and (outcome.step + 1) % self.config.rotation.interval == 0
-        ):
+        if worker.statistic is not None and self._statistic_due(outcome.step):
             st = worker.statistic
             self.client.report(
                 "ReportStatistics",

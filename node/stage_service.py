@@ -24,6 +24,7 @@ from node.links import (
     check_hello,
     error_message,
     hello,
+    planned,
     rejection_reason,
 )
 from swarm._proto.swarm.v1 import stage_pb2, stage_pb2_grpc
@@ -44,11 +45,11 @@ class Acceptor(Protocol):
     identity: RunIdentity
     stages: list[int]
 
-    def peer_of(self, boundary: int) -> PlannedPeer | None: ...
+    def peers_of(self, boundary: int) -> list[PlannedPeer]: ...
 
     def local_stage(self, boundary: int) -> int: ...
 
-    async def attach(self, boundary: int, link: StageLink) -> None: ...
+    async def attach(self, boundary: int, node_id: str, link: StageLink) -> None: ...
 
 
 _REFUSE_ALL = stage_pb2.ERROR_CODE_PLAN_EPOCH, "this node follows no plan yet"
@@ -98,9 +99,9 @@ class StageService(stage_pb2_grpc.StageServicer):
         acceptor = self.acceptor
         problem = _REFUSE_ALL
         if acceptor is not None:
-            problem = check_hello(first, acceptor.identity, None, acceptor.peer_of)
+            problem = check_hello(first, acceptor.identity, None, acceptor.peers_of)
         if problem is None:
-            peer = acceptor.peer_of(first.hello.boundary)
+            peer = planned(acceptor.peers_of(first.hello.boundary), first.hello.node_id)
             problem = _certificate_problem(context, peer)
         if problem is not None:
             code, reason = problem
@@ -112,7 +113,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         await context.write(hello(acceptor.identity, boundary, acceptor.local_stage(boundary), peer.secret))
         link = StageLink(boundary, context.read, context.write, self.metrics, self.profile)
         try:
-            await acceptor.attach(boundary, link)
+            await acceptor.attach(boundary, peer.node_id, link)
         finally:  # what is queued goes out before the call ends (e.g. a refusal's Error)
             await link.close()
 

@@ -221,18 +221,19 @@ class _Runner(AllReduceRunner):
 class AveragingRouter(ServicerBase):
     """The all-reduce RPC of one P2P: each stream goes to the local runner of its group."""
 
-    def __init__(self):
+    def __init__(self, join_wait: float = JOIN_WAIT_S):
+        self.join_wait = join_wait
         self.rounds: dict[bytes, _Runner] = {}
         self.changed = asyncio.Condition()
 
     async def rpc_aggregate_part(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        first = await asyncio.wait_for(anext(stream), JOIN_WAIT_S)
+        first = await asyncio.wait_for(anext(stream), self.join_wait)
         try:
             async with self.changed:
                 started = self.changed.wait_for(lambda: first.group_id in self.rounds)
-                await asyncio.wait_for(started, JOIN_WAIT_S)
+                await asyncio.wait_for(started, self.join_wait)
         except TimeoutError:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
             return
@@ -253,7 +254,8 @@ class ReplicaAverager:
     """Averages tensors with the other replicas of a stage over ``p2p`` (``namespace``: one per stage).
 
     ``sender_timeout`` / ``reducer_timeout``: how long a member may stay silent while sending its
-    parts / returning averages before it is dropped and the round fails.
+    parts / returning averages before it is dropped and the round fails; ``join_wait``: how long a
+    member's stream waits for this replica to start the same round.
     """
 
     def __init__(
@@ -263,11 +265,12 @@ class ReplicaAverager:
         sender_timeout: float = 5.0,
         reducer_timeout: float = 10.0,
         part_size_bytes: int = DEFAULT_PART_SIZE_BYTES,
+        join_wait: float = JOIN_WAIT_S,
     ):
         self.p2p, self.namespace = p2p, namespace
         self.sender_timeout, self.reducer_timeout = sender_timeout, reducer_timeout
         self.part_size_bytes = part_size_bytes  # the vector is cut into parts of this size, dealt by share
-        self.router = AveragingRouter()
+        self.router = AveragingRouter(join_wait)
         self.offences: collections.Counter[PeerID] = collections.Counter()  # poisoned parts seen, by member
 
     async def start(self) -> None:

@@ -153,6 +153,10 @@ class TrainConfig:
     eval_every: int = 50
     seed: int = 0
     schedule: str = "gpipe"  # microbatch order per stage: "gpipe" or "1f1b" (PipeDream-flush)
+    # Most nodes hosting one stage. Above 1, a node that finds every stage hosted joins the
+    # slowest stage as a replica: the stage's microbatches are dealt among its replicas, which
+    # average gradients (hivemind all-reduce) before every optimizer step.
+    replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
@@ -200,9 +204,23 @@ class RunConfig:
             raise ValueError(
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
+        self._check_replicas()
         if self.emulation.profile:
             load_profile(self.emulation.profile)
             check_emulable(self)
+
+    def _check_replicas(self) -> None:
+        t, c = self.train, self.codec
+        if not 1 <= t.replicas <= t.microbatches:
+            raise ValueError(
+                f"train.replicas={t.replicas} must lie in [1, train.microbatches={t.microbatches}]"
+            )
+        if t.replicas > 1 and (c.kind == "mapl" or "rvq" in (c.forward_format, c.backward_format)):
+            # MAPL projections and RVQ codebooks are boundary state shared by exactly two nodes.
+            raise ValueError(
+                "train.replicas > 1 needs boundary codecs without per-boundary learned state: "
+                "codec kind 'identity' or 'subspace' with a format other than 'rvq'"
+            )
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

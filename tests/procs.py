@@ -125,8 +125,10 @@ def coordinator(
     *flags: str,
     port: int = 0,
     name: str = "coordinator",
+    dht: bool = False,
 ) -> str:
-    """Start a coordinator (no DHT) for ``config`` (or a 2-stage tiny run of that many steps); its address.
+    """Start a coordinator for ``config`` (or a 2-stage tiny run of that many steps); its address.
+    ``dht``: run its hivemind DHT peer (loopback, no NAT port mapping), which replicas need.
 
     The state file is ``folder/state.sqlite``: a second coordinator on it resumes the run.
     """
@@ -136,7 +138,8 @@ def coordinator(
     path.write_text(config.to_toml())
     args = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(path)]
     args += ["--port", str(port), "--state", str(folder / "state.sqlite")]
-    args += ["--no-dht", "--metrics-port", "-1", *flags]
+    args += [] if dht else ["--no-dht"]
+    args += ["--metrics-port", "-1", *flags]
     procs.append(Proc(args, folder / f"{name}.err"))
     return procs[-1].wait_for(r"coordinator listening on (\S+)", 60).group(1)
 
@@ -148,10 +151,13 @@ def node(
     address: str,
     *flags: str,
     runner: Sequence[str] = ("node.cli",),
+    dht: bool = False,
 ) -> Proc:
-    """Start ``swarm-node join`` (``runner``: the module and its leading arguments, e.g. a hostile node)."""
+    """Start ``swarm-node join`` (``runner``: the module and its leading arguments, e.g. a hostile
+    node; ``dht``: join the coordinator's DHT, whose P2P replicas average over)."""
     args = [sys.executable, "-m", *runner, "join", "--coordinator", address]
-    args += ["--data-dir", str(folder / name), "--device", "cpu", "--no-dht", "--name", name]
+    args += ["--data-dir", str(folder / name), "--device", "cpu", "--name", name]
+    args += [] if dht else ["--no-dht"]
     args += ["--connect-timeout", "30", *flags]
     procs.append(Proc(args, folder / f"{name}.err"))
     return procs[-1]

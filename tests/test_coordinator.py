@@ -20,7 +20,7 @@ import grpc
 import pytest
 import torch
 
-from coordinator.assignment import assign, links_for, take_stages
+from coordinator.assignment import add_replicas, assign, links_for, stages_of, take_stages
 from coordinator.service import CoordinatorServer, CoordinatorService
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
 from swarm.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
@@ -238,16 +238,36 @@ def upload_chunk(
 
 
 def test_take_stages_is_lowest_contiguous_free_run():
-    assert take_stages([None] * 4, 2) == [0, 1]
-    assert take_stages(["a", None, None, "b"], 3) == [1, 2]
-    assert take_stages(["a", None, "b", None], 3) == [1]
-    assert take_stages(["a", "b"], 1) == []
-    assert take_stages([None, None], 0) == [0]  # max_stages 0 counts as 1
-    assert assign([None, "a", None, None], [("s1", 1), ("s2", 5)]) == ["s1", "a", "s2", "s2"]
+    assert take_stages([()] * 4, 2) == [0, 1]
+    assert take_stages([("a",), (), (), ("b",)], 3) == [1, 2]
+    assert take_stages([("a",), (), ("b",), ()], 3) == [1]
+    assert take_stages([("a",), ("b",)], 1) == []
+    assert take_stages([(), ()], 0) == [0]  # max_stages 0 counts as 1
+    assert assign([(), ("a",), (), ()], [("s1", 1), ("s2", 5)]) == [("s1",), ("a",), ("s2",), ("s2",)]
+
+
+def test_replicas_join_the_stage_of_least_capacity():
+    owners = [("a",), ("b",), ("c",)]
+    capacity = {"a": 900.0, "b": 300.0, "c": 600.0}
+    # b's stage is the bottleneck; with a second replica it holds 600 (the mean, 600, for the
+    # unmeasured newcomer), tied with c's stage, which has fewer replicas.
+    assert add_replicas(owners, ["x", "y"], capacity, most=2) == [("a",), ("b", "x"), ("c", "y")]
+    # At most `most` per stage; candidates left over stay standbys.
+    assert add_replicas(owners, ["x", "y", "z", "w"], capacity, most=2) == [
+        ("a", "z"),
+        ("b", "x"),
+        ("c", "y"),
+    ]
+    assert add_replicas(owners, ["x"], capacity, most=1) == owners
+    # Nothing measured yet: fewest replicas, then the lowest stage.
+    assert add_replicas([("a",), ("b",)], ["x", "y", "z"], {}, most=3) == [("a", "x", "z"), ("b", "y")]
+    # A free stage is never filled by a replica (assign() hands it out first).
+    assert add_replicas([(), ("b",)], ["x"], {}, most=2) == [(), ("b", "x")]
+    assert stages_of([("a",), ("b", "a")], "a") == [0, 1]
 
 
 def test_dial_plan_rules():
-    owners = ["a", "a", "b", "c"]
+    owners = [("a",), ("a",), ("b",), ("c",)]
     addresses = {"a": "10.0.0.1:1", "b": "", "c": "10.0.0.3:3"}
     # a-b: downstream b is unreachable, so b dials upstream a.
     assert links_for("a", owners, addresses) == [
@@ -266,14 +286,29 @@ def test_dial_plan_rules():
         coordinator_pb2.BoundaryLink(boundary=2, local_stage=3, peer_node_id="b", role=ACCEPT)
     ]
     # Nobody reachable: no role (would need a relay).
-    assert links_for("a", ["a", "b"], {"a": "", "b": ""}) == [
+    assert links_for("a", [("a",), ("b",)], {"a": "", "b": ""}) == [
         coordinator_pb2.BoundaryLink(boundary=0, local_stage=0, peer_node_id="b", role=UNSPECIFIED)
     ]
     # The other stage unassigned: the link is listed without a peer.
-    assert links_for("a", ["a", None], addresses) == [
+    assert links_for("a", [("a",), ()], addresses) == [
         coordinator_pb2.BoundaryLink(boundary=0, local_stage=0, role=UNSPECIFIED)
     ]
     assert links_for("d", owners, addresses) == []
+
+
+def test_dial_plan_with_replicas_links_every_pair_of_neighbouring_replicas():
+    owners = [("a",), ("b", "x"), ("c",)]
+    addresses = {"a": "h:1", "b": "h:2", "x": "h:3", "c": "h:4"}
+    # a sends to both replicas of stage 1 (one stream each); a local replica needs no stream.
+    assert [(lk.boundary, lk.peer_node_id, lk.role) for lk in links_for("a", owners, addresses)] == [
+        (0, "b", DIAL),
+        (0, "x", DIAL),
+    ]
+    assert [(lk.boundary, lk.peer_node_id, lk.role) for lk in links_for("x", owners, addresses)] == [
+        (0, "a", ACCEPT),
+        (1, "c", DIAL),
+    ]
+    assert [lk.peer_node_id for lk in links_for("a", [("a",), ("a", "x")], addresses)] == ["x"]
 
 
 # -- the service ------------------------------------------------------------------------------

@@ -14,8 +14,9 @@ import pytest
 import torch
 
 from node import stage_service
-from node.links import BadFrameError, LinkError, LocalLink, PlannedPeer, RunIdentity, StageLink, dial, hello
+from node.links import BadFrameError, LinkError, PlannedPeer, RunIdentity, StageLink, dial, hello
 from node.schedule import StageRunner
+from node.stage_host import connect_local
 from node.stage_service import StageService
 from swarm._proto.swarm.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from swarm.codecs.base import EncodedTensor, StaleVersionError
@@ -60,14 +61,15 @@ class Acceptor:
     identity: RunIdentity = SERVER
     stages: list[int] = field(default_factory=lambda: [1])
 
-    def peer_of(self, boundary: int) -> PlannedPeer | None:
-        return UP_PEER if boundary == 0 else None
+    def peers_of(self, boundary: int) -> list[PlannedPeer]:
+        return [UP_PEER] if boundary == 0 else []
 
     def local_stage(self, boundary: int) -> int:
         assert boundary == 0
         return 1
 
-    async def attach(self, boundary: int, link: StageLink) -> None:
+    async def attach(self, boundary: int, node_id: str, link: StageLink) -> None:
+        assert node_id == UP_PEER.node_id
         await self.attach_to(boundary, link)
 
 
@@ -278,14 +280,13 @@ async def connected_pair(workers: list) -> AsyncIterator[Pair]:
     attached = asyncio.Event()
 
     async def attach(boundary: int, link: StageLink) -> None:
-        down.upstream = link
+        deliver = down.attach(link, "", downstream=False)
         attached.set()
-        await link.pump(down.deliver_from_upstream, down.fail)
+        await link.pump(deliver, down.fail)
 
     async with stage_server(attach) as server:
         link, channel = await dial(server.address, CLIENT, 0, 0, DOWN_PEER, up.metrics, timeout=5)
-        up.downstream = link
-        reader = asyncio.create_task(link.pump(up.deliver_from_downstream, up.fail))
+        reader = asyncio.create_task(link.pump(up.attach(link, "", downstream=True), up.fail))
         try:
             await asyncio.wait_for(attached.wait(), 5)
             yield Pair(up, down, server)
@@ -538,8 +539,7 @@ def test_four_stage_schedules_give_the_single_process_gradients(schedule):
         for w in workers
     ]
     for up, down in itertools.pairwise(runners):
-        up.downstream = LocalLink(down.deliver_from_upstream)
-        down.upstream = LocalLink(up.deliver_from_downstream)
+        connect_local(up, down, "")
 
     async def main() -> list[list[int]]:
         peaks = []

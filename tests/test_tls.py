@@ -135,8 +135,8 @@ def test_a_tls_coordinator_opens_only_to_the_swarms_ca(pki: Path, tmp_path: Path
 class PinnedAcceptor(test_links.Acceptor):
     """The accepting side of boundary 0 whose plan pins the dialling node's certificate."""
 
-    def peer_of(self, boundary: int) -> PlannedPeer | None:
-        return replace(test_links.UP_PEER, certificate="planned") if boundary == 0 else None
+    def peers_of(self, boundary: int) -> list[PlannedPeer]:
+        return [replace(test_links.UP_PEER, certificate="planned")] if boundary == 0 else []
 
 
 def test_streams_are_pinned_to_the_certificates_the_plan_names(pki: Path):

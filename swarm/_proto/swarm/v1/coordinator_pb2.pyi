@@ -83,18 +83,38 @@ class StageCheckpoint(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "stages", "links", "resume_step", "restore")
+    __slots__ = ("epoch", "stages", "links", "resume_step", "restore", "replicas")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     stages: _containers.RepeatedScalarFieldContainer[int]
     links: _containers.RepeatedCompositeFieldContainer[BoundaryLink]
     resume_step: int
     restore: _containers.RepeatedCompositeFieldContainer[StageCheckpoint]
-    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., resume_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ...) -> None: ...
+    replicas: _containers.RepeatedCompositeFieldContainer[StageReplicas]
+    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., resume_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageReplicas, _Mapping]]] = ...) -> None: ...
+
+class StageReplica(_message.Message):
+    __slots__ = ("node_id", "microbatches", "averaging_address")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    microbatches: _containers.RepeatedScalarFieldContainer[int]
+    averaging_address: str
+    def __init__(self, node_id: _Optional[str] = ..., microbatches: _Optional[_Iterable[int]] = ..., averaging_address: _Optional[str] = ...) -> None: ...
+
+class StageReplicas(_message.Message):
+    __slots__ = ("stage", "replicas")
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    stage: int
+    replicas: _containers.RepeatedCompositeFieldContainer[StageReplica]
+    def __init__(self, stage: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[StageReplica, _Mapping]]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
     __slots__ = ("node_id", "run_id", "config_json", "config_hash", "embedding_digest", "embedding_size", "subspace_version", "heartbeat_interval_ms", "dht_initial_peers", "plan", "run_complete", "session")
@@ -125,20 +145,24 @@ class JoinReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ..., embedding_digest: _Optional[str] = ..., embedding_size: _Optional[int] = ..., subspace_version: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., session: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "step", "phase", "plan_epoch", "tokens_per_second", "subspace_version")
+    __slots__ = ("node_id", "step", "phase", "plan_epoch", "tokens_per_second", "subspace_version", "averaging_address", "capacity_tokens_per_second")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
+    AVERAGING_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     step: int
     phase: NodePhase
     plan_epoch: int
     tokens_per_second: float
     subspace_version: int
-    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ...) -> None: ...
+    averaging_address: str
+    capacity_tokens_per_second: float
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., averaging_address: _Optional[str] = ..., capacity_tokens_per_second: _Optional[float] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "plan_epoch", "subspace_version", "plan", "run_complete", "cut_requests", "session")

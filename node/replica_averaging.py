@@ -1,0 +1,134 @@
+"""The replicas of a stage average their gradients after every step, over hivemind's all-reduce.
+
+Each replica contributes per-microbatch means (its gradients and its step's counts: tokens,
+loss, wire bytes, the cut mark), weighted by the microbatches it processed; the weighted
+average times the step's microbatch count gives every replica the sums over the whole step:
+the gradient one replica would compute on the global batch (the loss is already divided by
+the step's microbatch count), the stage's tokens and loss. On the steps a boundary statistic
+is reported, the statistic each replica accumulated on its own microbatches is summed too.
+
+A round that loses a member fails the step with :class:`ReplicaLost` naming it (or, for a
+refused part, :class:`ReplicaPoisoned`, which gets the sender evicted); the coordinator then
+starts a new epoch without it from the latest cut, as for any lost neighbour.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
+
+from node.links import BadFrameError, LinkError
+from node.schedule import StepCounts
+from swarm.averaging import ReplicaAverager, Round, RoundFailed, shares
+from swarm.logs import say
+from swarm.worker import StageWorker
+
+
+class ReplicaLost(LinkError):
+    """A sibling replica went silent during the averaging round (``peer_node_id``: which)."""
+
+
+class ReplicaPoisoned(BadFrameError):
+    """A sibling replica's part of the averaging round was refused (non-finite, huge, overweight)."""
+
+
+@dataclass(frozen=True)
+class Sibling:
+    """One replica of the stage as the plan lists it."""
+
+    node_id: str
+    address: str  # P2P multiaddr ending in /p2p/<peer id>
+    microbatches: int
+
+    @property
+    def peer_id(self) -> PeerID:
+        return PeerID.from_base58(self.address.rsplit("/p2p/", 1)[-1])
+
+
+class ReplicaGroup:
+    """Averages one stage's step with its sibling replicas (a :class:`~node.schedule.StageAveraging`).
+
+    ``key`` names the stage in this epoch (rounds add the step); ``me`` is this node's id;
+    ``statistic_due(step)``: whether the boundary statistic is reported after ``step``.
+    """
+
+    def __init__(
+        self,
+        averager: ReplicaAverager,
+        key: str,
+        siblings: Sequence[Sibling],
+        me: str,
+        statistic_due: Callable[[int], bool],
+    ):
+        self.averager, self.key, self.siblings = averager, key, list(siblings)
+        self.me = next(s for s in self.siblings if s.node_id == me)
+        self.statistic_due = statistic_due
+        self.total = sum(s.microbatches for s in self.siblings)
+        self.node_of = {s.peer_id: s.node_id for s in self.siblings}
+
+    async def connect(self) -> None:
+        """Open the P2P connections to the other replicas (their addresses are in the plan)."""
+        for s in self.siblings:
+            if s is not self.me:
+                maddr = Multiaddr(s.address).decapsulate(Multiaddr(f"/p2p/{s.peer_id}"))
+                await self.averager.p2p._client.connect(s.peer_id, [maddr])
+        say(
+            f"{self.key}: one of {len(self.siblings)} replicas, {self.me.microbatches} of "
+            f"{self.total} microbatches per step"
+        )
+
+    async def combine(self, step: int, worker: StageWorker, counts: StepCounts) -> StepCounts:
+        params = worker.parameters()
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        summed = [p.grad for p in params]
+        vector = torch.tensor(
+            [
+                counts.tokens,
+                counts.loss_sum,
+                counts.loss_count,
+                counts.wire_bytes_forward,
+                counts.wire_bytes_backward,
+                float(counts.cut),
+            ],
+            dtype=torch.float64,
+        )
+        statistic = worker.statistic if self.statistic_due(step) else None
+        if statistic is not None:
+            energies = torch.tensor(
+                [statistic.off_energy, statistic.total_energy, statistic.count], dtype=torch.float64
+            )
+            summed += [statistic.gram_times_basis, energies]
+        means = [t.detach().to("cpu", torch.float64) / self.me.microbatches for t in (*summed, vector)]
+        numel = sum(t.numel() for t in means)
+        round_ = Round(
+            f"{self.key}/{step}",
+            tuple(s.peer_id for s in self.siblings),
+            shares(numel, [1.0] * len(self.siblings)),
+            tuple(float(s.microbatches) for s in self.siblings),
+        )
+        try:
+            await self.averager.average(round_, means)
+        except RoundFailed as e:
+            raise self._lost(e) from e
+        totals = [t * self.total for t in means]
+        for target, total in zip(summed, totals, strict=False):
+            target.copy_(total)
+        if statistic is not None:
+            statistic.off_energy, statistic.total_energy = totals[-2][0].item(), totals[-2][1].item()
+            statistic.count = round(totals[-2][2].item())
+        v = totals[-1].tolist()
+        return StepCounts(round(v[0]), v[1], round(v[2]), round(v[3]), round(v[4]), v[5] > 0.5)
+
+    def _lost(self, failure: RoundFailed) -> LinkError:
+        """The error the step fails with, naming a replica the round lost (poisoned first)."""
+        for members, kind in ((failure.poisoned, ReplicaPoisoned), (failure.silent, ReplicaLost)):
+            if members:
+                node = self.node_of.get(min(members, key=str), "")
+                return kind(f"stage averaging: {failure}", None, node)
+        return ReplicaLost(f"stage averaging: {failure}")

@@ -1,0 +1,107 @@
+"""Several nodes per stage: microbatches dealt by measured throughput, routes that keep every frame
+on one pair of neighbouring replicas, and live swarms whose replicated stages average their
+gradients over hivemind (loopback, NAT port mapping off) and train the single-process model."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+
+import pytest
+
+from swarm.config import RotationConfig, RunConfig, TrainConfig
+from swarm.data import BatchSampler, batch_ids, load_dataset
+from swarm.pipeline import LocalPipeline
+from swarm.replicas import Routes, deal
+from tests.procs import Proc, coordinator, node, processes, tiny_run, wait_for_nodes, wait_status
+
+
+def test_deal_gives_every_replica_a_share_by_throughput():
+    assert deal(4, [1.0]) == [[0, 1, 2, 3]]
+    assert deal(4, [0.0, 0.0]) == [[0, 2], [1, 3]]  # nothing measured: alternate
+    assert deal(8, [300.0, 100.0]) == [[0, 2, 3, 4, 5, 6], [1, 7]]  # 3x as fast: 3x the microbatches
+    assert deal(8, [300.0, 0.0]) == [[0, 2, 4, 6], [1, 3, 5, 7]]  # unmeasured: the measured mean
+    for rates in ([5.0, 0.1, 0.1], [0.0, 7.0, 3.0], [1.0] * 4):
+        dealt = deal(8, rates)  # every replica gets one at least; a partition: nothing twice, none lost
+        assert all(dealt) and sorted(mb for share in dealt for mb in share) == list(range(8))
+    with pytest.raises(ValueError, match="cannot share"):
+        deal(2, [1.0, 1.0, 1.0])
+
+
+def test_routes_follow_the_microbatch_owners_of_the_neighbouring_stages():
+    owners = [dict.fromkeys(range(4), "a"), {0: "b", 1: "x", 2: "b", 3: "x"}, dict.fromkeys(range(4), "c")]
+    assert Routes.of(1, "x", owners) == Routes((1, 3), {1: "a", 3: "a"}, {1: "c", 3: "c"})
+    assert Routes.of(0, "a", owners) == Routes((0, 1, 2, 3), {}, {0: "b", 1: "x", 2: "b", 3: "x"})
+    assert Routes.of(2, "c", owners).upstream == {0: "b", 1: "x", 2: "b", 3: "x"}
+    assert Routes.alone(2, "u", "d") == Routes((0, 1), {0: "u", 1: "u"}, {0: "d", 1: "d"})
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"replicas": 3}, "train.replicas=3 must lie in"),
+        ({"replicas": 2, "kind": "mapl"}, "boundary codecs"),
+        ({"replicas": 2, "forward_format": "rvq"}, "boundary codecs"),
+    ],
+)
+def test_replicas_refuse_what_they_cannot_keep_identical(change: dict, message: str):
+    base = RunConfig()
+    train = dataclasses.replace(base.train, replicas=change.pop("replicas"))
+    with pytest.raises(ValueError, match=message):
+        dataclasses.replace(base, train=train, codec=dataclasses.replace(base.codec, **change))
+
+
+STEPS = 30
+
+
+def replica_run(folder: Path, schedule: str) -> RunConfig:
+    """Two stages, four microbatches a step, up to two replicas per stage, rotations on (so the
+    replicas also sum their boundary statistics)."""
+    config = tiny_run(folder, STEPS, n_stages=2, checkpoint_interval=10)
+    config.train = TrainConfig(
+        steps=STEPS, batch_size=8, seq_len=32, microbatches=4, warmup_steps=2, replicas=2, schedule=schedule
+    )
+    config.rotation = RotationConfig(interval=5, max_angle=0.1)
+    return RunConfig.from_dict(config.to_dict())  # validated
+
+
+def single_process_losses(config: RunConfig, folder: Path) -> list[float]:
+    t = config.train
+    sampler = BatchSampler(load_dataset(config, folder / "cache").train, t.batch_size, t.seq_len, t.seed)
+    pipe = LocalPipeline(config)
+    return [pipe.train_step(step, batch_ids(*sampler.next_batch())).loss for step in range(t.steps)]
+
+
+def replica_lines(proc: Proc) -> list[str]:
+    return re.findall(r"one of \d+ replicas, \d+ of \d+ microbatches per step", proc.stdout())
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+def test_a_replicated_stage_trains_the_single_process_model(tmp_path, schedule):
+    """Three nodes on two stages: the third becomes a replica of a stage, the stage's microbatches
+    are dealt between its two replicas, which average their gradients every step; the losses are
+    the single-process pipeline's (fp32, up to summation order) and every step counts each token
+    of its batch once."""
+    config = replica_run(tmp_path, schedule)
+    with processes() as procs:
+        address = coordinator(procs, tmp_path, config, dht=True)
+        nodes = []
+        for i in range(3):
+            nodes.append(node(procs, tmp_path, f"n{i}", address, dht=True))
+            wait_for_nodes(address, i + 1)
+        final = wait_status(address, lambda r: r.run_complete, "completed run", 240)
+        for proc in nodes:
+            assert proc.wait(60) == 0, proc.output()
+    hosts = {n.node_name: list(n.last_stages) for n in final.nodes}
+    assert sorted(hosts.values()) in ([[0], [0], [1]], [[0], [1], [1]]), hosts
+    replicas = [p for p in nodes if replica_lines(p)]
+    assert len(replicas) == 2, [p.output() for p in nodes]
+    assert all("2 of 4 microbatches" in replica_lines(p)[-1] for p in replicas)
+    t = config.train
+    assert [s.step for s in final.steps] == list(range(STEPS))
+    assert all(s.tokens == t.batch_size * t.seq_len for s in final.steps)  # every token once
+    losses = [s.loss for s in final.steps]
+    single = single_process_losses(config, tmp_path)
+    rel = [abs(a - b) / b for a, b in zip(losses, single, strict=True)]
+    assert max(rel) < 1e-4, rel
