@@ -361,8 +361,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return links
 
     def _neighbours(self, node_id: str, other_id: str) -> bool:
-        """Whether the current plan joins the two nodes across a boundary."""
-        return any(link.peer_node_id == other_id for link in self._links(node_id))
+        """Whether the current plan joins the two nodes across a boundary, or as replicas of a
+        stage (which average with each other)."""
+        shared = any(other_id in hosts and node_id in hosts for hosts in self._owners())
+        return shared or any(link.peer_node_id == other_id for link in self._links(node_id))
 
     def _alive_node(self, node_id: str) -> NodeRecord | None:
         node = self.nodes.get(node_id)
