@@ -154,6 +154,7 @@ class _Runner(AllReduceRunner):
         super().__init__(**kwargs)
         self.round = round_
         shapes = tuple(part.shape for part in self.parts_for_local_averaging)
+        self.tensor_part_reducer.finished.set()  # hivemind's, unused: collected without a warning
         self.tensor_part_reducer = _ScreeningReducer(shapes, len(self.sender_peer_ids), self._screen)
         self.failed: set[PeerID] = set()
         self.aborted_by: set[PeerID] = set()

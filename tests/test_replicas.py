@@ -105,3 +105,34 @@ def test_a_replicated_stage_trains_the_single_process_model(tmp_path, schedule):
     single = single_process_losses(config, tmp_path)
     rel = [abs(a - b) / b for a, b in zip(losses, single, strict=True)]
     assert max(rel) < 1e-4, rel
+
+
+KILL_STEP = 15  # after the cut at step 9: the run rolls back to step 10 without the dead replica
+
+
+@pytest.mark.parametrize("when", ["forward", "averaging"])
+def test_a_replica_killed_mid_step_is_dropped_and_the_run_loses_nothing(tmp_path, when):
+    """kill -9 (the whole process group: its P2P daemon dies too) of a stage replica while it
+    computes a microbatch, or in the middle of the averaging round: the survivors' step fails, the
+    coordinator finds the replica dead and starts an epoch without it from the latest cut, and the
+    run finishes every step with the single-process losses, each step counting each token once."""
+    config = replica_run(tmp_path, "gpipe")
+    with processes() as procs:
+        address = coordinator(procs, tmp_path, config, dht=True)
+        for i in range(2):
+            node(procs, tmp_path, f"n{i}", address, dht=True)
+            wait_for_nodes(address, i + 1)
+        dying = node(
+            procs, tmp_path, "dying", address, dht=True, runner=("tests.dying_node", when, str(KILL_STEP))
+        )
+        final = wait_status(address, lambda r: r.run_complete, "completed run", 240)
+        assert dying.wait(5) == -9, dying.output()
+        assert replica_lines(dying), dying.output()
+    (gone,) = [n for n in final.nodes if n.node_name == "dying"]
+    assert not gone.alive and not gone.left and final.epochs_restarted >= 1
+    t = config.train
+    assert [s.step for s in final.steps] == list(range(STEPS))
+    assert all(s.tokens == t.batch_size * t.seq_len for s in final.steps)
+    single = single_process_losses(config, tmp_path)
+    rel = [abs(s.loss - b) / b for s, b in zip(final.steps, single, strict=True)]
+    assert max(rel) < 1e-4, rel
