@@ -265,13 +265,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _deal(self) -> list[dict[int, str]]:
         """Each stage's microbatches dealt among its replicas by capacity: microbatch -> node."""
+        measured = [c for n, c in self.capacity.items() if self._alive_node(n) is not None]
+        unknown = sum(measured) / len(measured) if measured else 1.0  # a newcomer: the swarm's mean
         dealt = []
         for hosts in self._owners():
-            shares = (
-                deal(self.config.train.microbatches, [self.capacity.get(n, 0.0) for n in hosts])
-                if hosts
-                else []
-            )
+            rates = [self.capacity.get(n) or unknown for n in hosts]
+            shares = deal(self.config.train.microbatches, rates) if hosts else []
             dealt.append({mb: node for node, mbs in zip(hosts, shares, strict=True) for mb in mbs})
         return dealt
 

@@ -340,7 +340,8 @@ class NodeDaemon:
         def group(entry: cpb.StageReplicas, statistic_due) -> ReplicaGroup:
             siblings = [Sibling(r.node_id, r.averaging_address, len(r.microbatches)) for r in entry.replicas]
             key = f"{self.identity.run_id}/{plan.epoch}/{entry.stage}"
-            return ReplicaGroup(self._averagers[entry.stage], key, siblings, self.node_id, statistic_due)
+            averager = self._averagers[entry.stage]
+            return ReplicaGroup(averager, key, siblings, self.node_id, statistic_due, self.metrics)
 
         return group
 

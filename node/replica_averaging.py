@@ -14,6 +14,7 @@ starts a new epoch without it from the latest cut, as for any lost neighbour.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -25,6 +26,7 @@ from node.links import BadFrameError, LinkError
 from node.schedule import StepCounts
 from swarm.averaging import ReplicaAverager, Round, RoundFailed, shares
 from swarm.logs import say
+from swarm.metrics import Metrics
 from swarm.worker import StageWorker
 
 
@@ -63,12 +65,16 @@ class ReplicaGroup:
         siblings: Sequence[Sibling],
         me: str,
         statistic_due: Callable[[int], bool],
+        metrics: Metrics,
     ):
         self.averager, self.key, self.siblings = averager, key, list(siblings)
         self.me = next(s for s in self.siblings if s.node_id == me)
         self.statistic_due = statistic_due
         self.total = sum(s.microbatches for s in self.siblings)
         self.node_of = {s.peer_id: s.node_id for s in self.siblings}
+        self.metrics, self.stage = metrics, key.rsplit("/", 1)[-1]
+        self.rounds = self.bytes_sent = 0
+        self.seconds = 0.0
 
     async def connect(self) -> None:
         """Open the P2P connections to the other replicas (their addresses are in the plan)."""
@@ -112,10 +118,19 @@ class ReplicaGroup:
             shares(numel, [1.0] * len(self.siblings)),
             tuple(float(s.microbatches) for s in self.siblings),
         )
+        start = time.perf_counter()
         try:
-            await self.averager.average(round_, means)
+            stats = await self.averager.average(round_, means)
         except RoundFailed as e:
             raise self._lost(e) from e
+        seconds = time.perf_counter() - start
+        self.rounds, self.bytes_sent, self.seconds = (
+            self.rounds + 1,
+            self.bytes_sent + stats.bytes_sent,
+            self.seconds + seconds,
+        )
+        self.metrics.averaging_bytes.labels(self.stage).inc(stats.bytes_sent)
+        self.metrics.averaging_seconds.labels(self.stage).observe(seconds)
         totals = [t * self.total for t in means]
         for target, total in zip(summed, totals, strict=False):
             target.copy_(total)
@@ -124,6 +139,15 @@ class ReplicaGroup:
             statistic.count = round(totals[-2][2].item())
         v = totals[-1].tolist()
         return StepCounts(round(v[0]), v[1], round(v[2]), round(v[3]), round(v[4]), v[5] > 0.5)
+
+    def summary(self) -> str:
+        """What averaging cost this replica so far (printed at the end of an epoch)."""
+        per_round = self.bytes_sent / self.rounds if self.rounds else 0
+        seconds = self.seconds / self.rounds if self.rounds else 0.0
+        return (
+            f"stage {self.stage} averaging: {self.rounds} rounds, {per_round:.0f} bytes sent "
+            f"and {seconds:.3f} s per round"
+        )
 
     def _lost(self, failure: RoundFailed) -> LinkError:
         """The error the step fails with, naming a replica the round lost (poisoned first)."""

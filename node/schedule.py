@@ -86,6 +86,8 @@ class StageAveraging(Protocol):
 
     async def connect(self) -> None: ...
 
+    def summary(self) -> str: ...
+
     async def combine(self, step: int, worker: StageWorker, counts: StepCounts) -> StepCounts: ...
 
 
@@ -293,6 +295,9 @@ class StageRunner:
         """``fn(*args)`` in a worker thread, timed into ``swarm_microbatch_compute_seconds``."""
         start = time.perf_counter()
         result = await asyncio.to_thread(fn, *args)
+        emulation = self.worker.config.emulation
+        if emulation.slow_stage == self.index:  # a slower device, emulated (benchmarks)
+            await asyncio.sleep((emulation.slowdown - 1) * (time.perf_counter() - start))
         seconds = time.perf_counter() - start
         self._busy += seconds
         self.metrics.microbatch_compute.labels(str(self.index), kind).observe(seconds)

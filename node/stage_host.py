@@ -257,6 +257,9 @@ class StageHost:
                 self.last_cut = step
                 if leaving.is_set():
                     return False
+        for runner in self.runners.values():
+            if runner.averaging is not None:
+                say(runner.averaging.summary())
         return True
 
     def _capture(self, step: int) -> list[dict]:

@@ -169,9 +169,17 @@ SCHEDULES = ("gpipe", "1f1b")
 @dataclass
 class EmulationConfig:
     """Benchmarks only: replace every stage's layers by waits from a compute profile
-    (:mod:`swarm.emulation`; a bundled profile's name or a JSON path). Empty: real compute."""
+    (:mod:`swarm.emulation`; a bundled profile's name or a JSON path). Empty: real compute.
+    ``slow_stage`` (-1: none) computes ``slowdown`` times as long as it does (the extra time is
+    a wait, so replicas of it on one machine still add capacity): a bottleneck stage on demand."""
 
     profile: str = ""
+    slow_stage: int = -1
+    slowdown: float = 1.0
+
+    def __post_init__(self) -> None:
+        if not self.slowdown >= 1.0:
+            raise ValueError(f"emulation.slowdown={self.slowdown} must be >= 1")
 
 
 @dataclass
@@ -205,6 +213,10 @@ class RunConfig:
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
         self._check_replicas()
+        if self.emulation.slow_stage >= self.n_stages:
+            raise ValueError(
+                f"emulation.slow_stage={self.emulation.slow_stage} is not a stage of {self.n_stages}"
+            )
         if self.emulation.profile:
             load_profile(self.emulation.profile)
             check_emulable(self)

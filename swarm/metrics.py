@@ -124,6 +124,19 @@ class Metrics:
             ["boundary"],
             registry=r,
         )
+        self.averaging_bytes = Counter(
+            "swarm_averaging_bytes",
+            "Gradient bytes this replica sent in its stage's averaging rounds (parts and averages)",
+            ["stage"],
+            registry=r,
+        )
+        self.averaging_seconds = Histogram(
+            "swarm_averaging_seconds",
+            "Duration of one averaging round of a replicated stage",
+            ["stage"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
         self.reconnects = Counter(
             "swarm_stream_reconnects",
             "Boundary streams opened again after an earlier stream of that boundary ended",

@@ -136,3 +136,36 @@ def test_a_replica_killed_mid_step_is_dropped_and_the_run_loses_nothing(tmp_path
     single = single_process_losses(config, tmp_path)
     rel = [abs(s.loss - b) / b for s, b in zip(final.steps, single, strict=True)]
     assert max(rel) < 1e-4, rel
+
+
+def steady_rate(steps) -> float:
+    """Tokens per second of step time over ``steps``, past their first three (start-up)."""
+    steady = list(steps)[3:]
+    return sum(s.tokens for s in steady) / sum(s.wall_seconds for s in steady)
+
+
+def test_a_joining_node_becomes_a_replica_of_the_bottleneck_stage_and_throughput_rises(tmp_path):
+    """Stage 1 computes 10x slower than it would (emulation.slowdown). A node joining the running
+    two-node swarm becomes a replica of stage 1, not of the fast stage 0, and takes most of its
+    microbatches (dealt by measured capacity): the swarm's tokens per second of step time rise."""
+    config = replica_run(tmp_path, "gpipe")
+    config.train = dataclasses.replace(config.train, steps=60)
+    config.rotation = RotationConfig()
+    config.emulation = dataclasses.replace(config.emulation, slow_stage=1, slowdown=10.0)
+    with processes() as procs:
+        address = coordinator(procs, tmp_path, config, dht=True)
+        for i in range(2):
+            node(procs, tmp_path, f"n{i}", address, dht=True)
+            wait_for_nodes(address, i + 1)
+        before = wait_status(address, lambda r: r.steps_completed >= 15, "15 steps", 120)
+        joiner = node(procs, tmp_path, "joiner", address, dht=True)
+        final = wait_status(address, lambda r: r.run_complete, "completed run", 240)
+        assert joiner.wait(60) == 0, joiner.output()
+    (joined,) = [n for n in final.nodes if n.node_name == "joiner"]
+    assert list(joined.last_stages) == [1]
+    assert re.search(r"one of 2 replicas, 3 of 4 microbatches", joiner.stdout()), joiner.output()
+    with_replica = [s for s in final.steps if s.step >= final.resume_step]
+    assert all(s.tokens == config.train.batch_size * config.train.seq_len for s in final.steps)
+    rise = steady_rate(with_replica) / steady_rate(before.steps)
+    print(f"MEASURED tokens/s with a replica of the slow stage / without: {rise:.2f}")
+    assert rise > 1.3, rise
