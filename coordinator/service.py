@@ -253,9 +253,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self._update_alive()
 
     def _add_replicas(self, owners: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
-        """Standbys that can average (a P2P address) join the stages of least measured capacity;
-        a stage whose hosts cannot all average takes none."""
+        """Standbys that can average (a P2P address) join the stages of least measured capacity,
+        once every host has measured its own (placing blindly could feed a stage that is not the
+        bottleneck); a stage whose hosts cannot all average takes none."""
         hosting = {n for hosts in owners for n in hosts}
+        if any(self.capacity.get(n, 0.0) <= 0 for n in hosting):
+            return owners
         waiting = [
             n.id for n in self.nodes.values() if n.alive and n.id not in hosting and self.averaging.get(n.id)
         ]
@@ -536,20 +539,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         return reply
 
     def _heard_averaging(self, node: NodeRecord, request: coordinator_pb2.HeartbeatRequest) -> None:
-        """Note a heartbeat's capacity and averaging address: a standby that can average now may
-        become a replica; a replica whose address changed (it restarted its P2P, or this
+        """Note a heartbeat's capacity and averaging address: standbys that can average may now
+        become replicas; a replica whose address changed (it restarted its P2P, or this
         coordinator restarted) needs a plan that carries the new one."""
         if request.capacity_tokens_per_second > 0:
             self.capacity[node.id] = request.capacity_tokens_per_second
-        address = request.averaging_address[:1024]
-        if self.config.train.replicas <= 1 or address == self.averaging.get(node.id, ""):
+        if self.config.train.replicas <= 1:
             return
+        address = request.averaging_address[:1024]
+        moved = address != self.averaging.get(node.id, "")
         self.averaging[node.id] = address
         owners = self._owners()
-        if not node.stages:
-            self._replan(owners)
-        elif any(len(owners[s]) > 1 for s in node.stages):
+        if moved and any(len(owners[s]) > 1 for s in node.stages):
             self._start_epoch(f"node {node.id[:8]} averages at a new address")
+        elif any(n.alive and not n.stages and self.averaging.get(n.id) for n in self.nodes.values()):
+            self._replan(owners)
 
     async def Leave(self, request, context):
         await self._require_session(request.node_id, context)

@@ -81,10 +81,16 @@ class Harness:
         return reply
 
     async def heartbeat(
-        self, node_id: str, plan_epoch: int = 0, phase: int = coordinator_pb2.NODE_PHASE_UNSPECIFIED
+        self,
+        node_id: str,
+        plan_epoch: int = 0,
+        phase: int = coordinator_pb2.NODE_PHASE_UNSPECIFIED,
+        **fields,
     ) -> coordinator_pb2.HeartbeatReply:
         """A heartbeat from a node following ``plan_epoch`` (0: none yet, so the reply carries the plan)."""
-        request = coordinator_pb2.HeartbeatRequest(node_id=node_id, plan_epoch=plan_epoch, phase=phase)
+        request = coordinator_pb2.HeartbeatRequest(
+            node_id=node_id, plan_epoch=plan_epoch, phase=phase, **fields
+        )
         return await self.stub.Heartbeat(request, timeout=RPC_TIMEOUT)
 
     async def step(
@@ -312,6 +318,44 @@ def test_dial_plan_with_replicas_links_every_pair_of_neighbouring_replicas():
 
 
 # -- the service ------------------------------------------------------------------------------
+
+
+def test_a_standby_becomes_a_replica_of_the_weakest_stage_once_capacities_are_measured(tmp_path):
+    config = tiny_config(n_stages=2, microbatches=4, replicas=2)
+    p2p = "/ip4/127.0.0.1/tcp/{}/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+
+    async def scenario() -> None:
+        async with coordinator(tmp_path / "state.sqlite", config) as h:
+            a, b, x = [await h.join(name, address=f"127.0.0.1:700{i}") for i, name in enumerate("abx")]
+            for i, node in enumerate((a, b, x)):
+                await h.heartbeat(node.node_id, averaging_address=p2p.format(i + 1))
+
+            async def x_plan() -> coordinator_pb2.Plan:
+                return (await h.heartbeat(x.node_id, averaging_address=p2p.format(3))).plan
+
+            # a and b have not measured themselves yet: x stays a standby
+            assert list((await x_plan()).stages) == []
+            await h.heartbeat(a.node_id, averaging_address=p2p.format(1), capacity_tokens_per_second=900.0)
+            assert list((await x_plan()).stages) == []
+            await h.heartbeat(b.node_id, averaging_address=p2p.format(2), capacity_tokens_per_second=300.0)
+            plan = await x_plan()
+            assert list(plan.stages) == [1]  # b's stage is the bottleneck
+            stage1 = plan.replicas[1].replicas
+            # dealt by capacity (x, unmeasured, at the swarm's mean 600): x twice as many as b
+            assert [(r.node_id, list(r.microbatches)) for r in stage1] == [
+                (b.node_id, [0]),
+                (x.node_id, [1, 2, 3]),
+            ]
+            assert [r.averaging_address for r in stage1] == [p2p.format(2), p2p.format(3)]
+            (stage0,) = plan.replicas[0].replicas
+            assert stage0.node_id == a.node_id and list(stage0.microbatches) == [0, 1, 2, 3]
+            assert not stage0.averaging_address  # a stage with one replica averages with nobody
+            # a dials both replicas of stage 1, each pair with its own secret
+            a_links = (await h.heartbeat(a.node_id, averaging_address=p2p.format(1))).plan.links
+            assert sorted(lk.peer_node_id for lk in a_links) == sorted([b.node_id, x.node_id])
+            assert len({lk.link_secret for lk in a_links}) == 2
+
+    asyncio.run(scenario())
 
 
 def test_join_assigns_stages_in_order_then_standby(tmp_path):
