@@ -123,6 +123,7 @@ def markdown(r: dict) -> str:
         *_multihost_section(r),
         *_generation_section(r),
         *_averaging_section(r),
+        *_replicas_section(r),
         f"Section times (s): {', '.join(f'{k} {v:.0f}' for k, v in r['seconds'].items())}.",
     ]
     return "\n".join(out) + "\n"
@@ -285,6 +286,34 @@ def _averaging_section(r: dict) -> list[str]:
                 ("B/parameter", "bytes_per_parameter", ".1f"),
                 ("round s (loopback)", "seconds", ".2f"),
                 ("s at link", "seconds_at_link", ".1f"),
+            ],
+        ),
+        "",
+    ]
+
+
+def _replicas_section(r: dict) -> list[str]:
+    if "replicas" not in r:
+        return []
+    plan, rows = r["plan"]["replicas"], r["replicas"]
+    return [
+        "## Replicas of the slowest stage (local swarm, loopback)",
+        f"{plan['n_stages']} stages of the {plan['model']['d_model']}-wide model; stage "
+        f"{rows[0]['slow_stage']} computes {plan['slowdown']:g}x as long (emulated: a wait). Extra nodes "
+        "join as standbys and become replicas of the slowest stage once capacities are measured; the "
+        f"stage's replicas split each step's {plan['train']['microbatches']} microbatches and average "
+        "gradients (hivemind all-reduce) every step. Averaging columns: per replica and step, the most any "
+        "replica sent.",
+        "",
+        _table(
+            rows,
+            [
+                ("replicas", "replicas", ""),
+                ("tokens/s", "tokens_per_s", ".0f"),
+                ("speed-up", "speedup_vs_one", ".2f"),
+                ("averaging B/step", "averaging_bytes_per_replica_step", ",.0f"),
+                ("averaging s/round", "averaging_s_per_round", ".3f"),
+                ("boundary B/step", "boundary_bytes_per_step", ",.0f"),
             ],
         ),
         "",

@@ -28,6 +28,7 @@ from bench import (
     overhead,
     paper_scale,
     peer,
+    replicas,
     report,
     throughput,
     wire,
@@ -60,6 +61,7 @@ class BenchPlan:
     generation: generation.GenerationPlan | None = None
     paper_scale: paper_scale.PaperScalePlan | None = None
     averaging: averaging.AveragingPlan | None = None
+    replicas: replicas.ReplicaPlan | None = None
 
 
 def plan(quick: bool) -> BenchPlan:
@@ -99,6 +101,9 @@ def plan(quick: bool) -> BenchPlan:
                 links=[Link("80 Mbit/s, 50 ms RTT", 80, 25)],
             ),
             averaging=averaging.AveragingPlan(tiny, n_stages=2, rounds=1),
+            replicas=replicas.ReplicaPlan(
+                tiny, TrainConfig(steps=12, batch_size=8, seq_len=32, microbatches=4), counts=(1, 2)
+            ),
         )
     small = MODEL_PRESETS["small"]
     return BenchPlan(
@@ -147,6 +152,9 @@ def plan(quick: bool) -> BenchPlan:
             one_f_one_b_on="80 Mbit/s, 50 ms RTT",
         ),
         averaging=averaging.AveragingPlan(small, n_stages=4),
+        replicas=replicas.ReplicaPlan(
+            MODEL_PRESETS["tiny"], TrainConfig(steps=40, batch_size=12, seq_len=64, microbatches=6)
+        ),
     )
 
 
@@ -215,6 +223,8 @@ def sections(p: BenchPlan, quick: bool) -> dict[str, Callable[[], object]]:
         out["generation"] = lambda: _needs_netns(lambda: generation.run(p.generation))
     if p.averaging is not None:
         out["averaging"] = lambda: averaging.run(p.averaging)
+    if p.replicas is not None:
+        out["replicas"] = lambda: replicas.run(p.replicas)
     return out
 
 
