@@ -44,6 +44,11 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     assert "## Churn" in report and "## The README's multi-host recipe" in report
     assert "## Paper scale with emulated compute" in report
     assert "## Generation through a swarm" in report
+    one, two = results["replicas"]  # the slow stage alone, then with a second replica averaging
+    assert (one["replicas"], two["replicas"]) == (1, 2) and one["tokens_per_s"] > 0 < two["tokens_per_s"]
+    assert one["averaging_bytes_per_replica_step"] == 0 < two["averaging_bytes_per_replica_step"]
+    assert one["boundary_bytes_per_step"] == two["boundary_bytes_per_step"]  # routing adds no bytes
+    assert "## Replicas of the slowest stage" in report
     if available()[0]:  # the recipe on emulated hosts, subspace next to dense
         dense, subspace = results["multihost"]
         assert dense["steps"] == subspace["steps"] == 8
