@@ -4,17 +4,26 @@ gradients over hivemind (loopback, NAT port mapping off) and train the single-pr
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import re
 from pathlib import Path
 
 import pytest
+import torch
 
+from node.replica_averaging import ReplicaGroup, Sibling
+from node.schedule import StepCounts
 from swarm.config import RotationConfig, RunConfig, TrainConfig
 from swarm.data import BatchSampler, batch_ids, load_dataset
+from swarm.metrics import Metrics
 from swarm.pipeline import LocalPipeline
 from swarm.replicas import Routes, deal
+from swarm.subspace import initial_artifacts
+from swarm.worker import StageWorker
+from tests.helpers import random_batch, tiny_config
 from tests.procs import Proc, coordinator, node, processes, tiny_run, wait_for_nodes, wait_status
+from tests.test_averaging import averagers, p2p_group, run
 
 
 def test_deal_gives_every_replica_a_share_by_throughput():
@@ -97,6 +106,9 @@ def test_a_replicated_stage_trains_the_single_process_model(tmp_path, schedule):
     assert sorted(hosts.values()) in ([[0], [0], [1]], [[0], [1], [1]]), hosts
     replicas = [p for p in nodes if replica_lines(p)]
     assert len(replicas) == 2, [p.output() for p in nodes]
+    for proc in nodes:  # every P2P (the replicas average over theirs) on loopback only
+        (joined,) = re.findall(r"DHT joined at (.*)", proc.stdout())
+        assert all(m.startswith("/ip4/127.0.0.1/") for m in joined.split(", ")), joined
     assert all("2 of 4 microbatches" in replica_lines(p)[-1] for p in replicas)
     t = config.train
     assert [s.step for s in final.steps] == list(range(STEPS))
@@ -169,3 +181,61 @@ def test_a_joining_node_becomes_a_replica_of_the_bottleneck_stage_and_throughput
     rise = steady_rate(with_replica) / steady_rate(before.steps)
     print(f"MEASURED tokens/s with a replica of the slow stage / without: {rise:.2f}")
     assert rise > 1.3, rise
+
+
+@pytest.mark.parametrize(("dtype", "tolerance"), [(torch.float64, 1e-10), (torch.float32, 1e-5)])
+def test_two_replicas_sum_to_one_replicas_step_on_the_global_batch(dtype, tolerance):
+    """Two replicas of a stage, each running its dealt microbatches of a step, combine over hivemind
+    (real P2P daemons on loopback): each ends with the gradient, tokens and loss of one worker that
+    ran the whole step (fp64 1e-10, fp32 1e-5 relative)."""
+    config = tiny_config(n_stages=1, microbatches=4, forward_format="fp64", backward_format="fp64")
+    chunks = random_batch(config, seed=5).chunk(4)
+    fixed, basis = initial_artifacts(config)
+
+    def worker_on(microbatches: list[int]) -> StageWorker:
+        worker = StageWorker(config, 0, fixed, basis, dtype=dtype)
+        worker.begin_step(0)
+        for mb in microbatches:
+            worker.forward(0, mb, chunks[mb])
+            worker.backward(0, mb)
+        return worker
+
+    whole, replicas = worker_on([0, 1, 2, 3]), [worker_on([0, 3]), worker_on([1, 2])]
+
+    async def scenario() -> list[StepCounts]:
+        p2ps = await p2p_group(2)
+        try:
+            group = await averagers(p2ps)
+            addresses = [str((await p.get_visible_maddrs())[0]) for p in p2ps]
+            siblings = [Sibling(f"node{i}", addresses[i], 2) for i in range(2)]
+            groups = [
+                ReplicaGroup(a, "run/1/0", siblings, f"node{i}", lambda step: False, Metrics("node"))
+                for i, a in enumerate(group)
+            ]
+            await asyncio.gather(*(g.connect() for g in groups))
+            counts = [
+                StepCounts(w.stats.tokens, w.stats.loss_sum, w.stats.loss_count, 100 * (i + 1), 7, i == 1)
+                for i, w in enumerate(replicas)
+            ]
+            return await asyncio.gather(
+                *(g.combine(0, w, c) for g, w, c in zip(groups, replicas, counts, strict=True))
+            )
+        finally:
+            for p in p2ps:
+                await p.shutdown()
+
+    combined = run(scenario())
+    for worker in replicas:
+        for mine, ref in zip(worker.parameters(), whole.parameters(), strict=True):
+            scale = ref.grad.norm().clamp_min(1e-30)
+            assert ((mine.grad - ref.grad).norm() / scale).item() < tolerance
+    stats = whole.stats
+    for c in combined:  # sums over the step; the cut mark of either replica
+        assert (c.tokens, c.loss_count, c.wire_bytes_forward, c.wire_bytes_backward, c.cut) == (
+            stats.tokens,
+            stats.loss_count,
+            300,
+            14,
+            True,
+        )
+        assert c.loss_sum == pytest.approx(stats.loss_sum, rel=tolerance)
