@@ -139,7 +139,9 @@ def test_plan_schema() -> None:
         "links": 3,
         "resume_step": 4,
         "restore": 5,
+        "replicas": 6,
     }
+    assert fields(coordinator_pb2.StageReplica) == {"node_id": 1, "microbatches": 2, "averaging_address": 3}
     join = fields(coordinator_pb2.JoinReply)
     assert join["plan"] == 14 and join["run_complete"] == 15
     assert not {"stages", "links", "plan_epoch"} & join.keys()
@@ -149,6 +151,7 @@ def test_plan_schema() -> None:
     assert not {"stages", "links"} & beat.keys() and reserved(coordinator_pb2.HeartbeatReply) == {3, 4}
     request = fields(coordinator_pb2.HeartbeatRequest)
     assert (request["phase"], request["plan_epoch"]) == (3, 4)
+    assert (request["averaging_address"], request["capacity_tokens_per_second"]) == (7, 8)
     assert fields(coordinator_pb2.StepReport)["plan_epoch"] == 9
     assert fields(coordinator_pb2.StatisticsReport)["plan_epoch"] == 10
     assert fields(coordinator_pb2.ArtifactChunk)["node_id"] == 5

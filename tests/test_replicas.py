@@ -109,7 +109,8 @@ def test_a_replicated_stage_trains_the_single_process_model(tmp_path, schedule):
     for proc in nodes:  # every P2P (the replicas average over theirs) on loopback only
         (joined,) = re.findall(r"DHT joined at (.*)", proc.stdout())
         assert all(m.startswith("/ip4/127.0.0.1/") for m in joined.split(", ")), joined
-    assert all("2 of 4 microbatches" in replica_lines(p)[-1] for p in replicas)
+    shares = [int(re.search(r"(\d+) of 4 microbatches", replica_lines(p)[-1])[1]) for p in replicas]
+    assert sum(shares) == 4 and min(shares) >= 1, shares  # dealt by measured capacity
     t = config.train
     assert [s.step for s in final.steps] == list(range(STEPS))
     assert all(s.tokens == t.batch_size * t.seq_len for s in final.steps)  # every token once
@@ -157,13 +158,13 @@ def steady_rate(steps) -> float:
 
 
 def test_a_joining_node_becomes_a_replica_of_the_bottleneck_stage_and_throughput_rises(tmp_path):
-    """Stage 1 computes 10x slower than it would (emulation.slowdown). A node joining the running
+    """Stage 1 computes 30x slower than it would (emulation.slowdown). A node joining the running
     two-node swarm becomes a replica of stage 1, not of the fast stage 0, and takes most of its
     microbatches (dealt by measured capacity): the swarm's tokens per second of step time rise."""
     config = replica_run(tmp_path, "gpipe")
     config.train = dataclasses.replace(config.train, steps=60)
     config.rotation = RotationConfig()
-    config.emulation = dataclasses.replace(config.emulation, slow_stage=1, slowdown=10.0)
+    config.emulation = dataclasses.replace(config.emulation, slow_stage=1, slowdown=30.0)
     with processes() as procs:
         address = coordinator(procs, tmp_path, config, dht=True)
         for i in range(2):
