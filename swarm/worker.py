@@ -77,7 +77,9 @@ class StageWorker:
             NormGuard(f"stage {index}: received activations", norm_bound) if norm_bound else None
         )
         self.gradient_guard = (
-            NormGuard(f"stage {index}: received gradients", norm_bound) if norm_bound else None
+            NormGuard(f"stage {index}: received gradients", norm_bound.for_gradients())
+            if norm_bound
+            else None
         )
         self.device, self.dtype = torch.device(device), dtype
         start, end = stage_layer_ranges(config.model.n_layers, config.n_stages)[index]

@@ -4,12 +4,14 @@ training, rotations and MAPL included, never trips them."""
 from __future__ import annotations
 
 import dataclasses
+import statistics
 
 import pytest
 import torch
 
 from swarm.codecs.base import PayloadError
-from swarm.config import CodecConfig, RotationConfig
+from swarm.config import MODEL_PRESETS, CodecConfig, DataConfig, RotationConfig, RunConfig, TrainConfig
+from swarm.data import BatchSampler, batch_ids, load_dataset
 from swarm.norm_guard import NormBound, NormGuard
 from swarm.pipeline import LocalPipeline
 from tests.helpers import random_batch, tiny_config
@@ -50,7 +52,7 @@ def test_a_worker_refuses_scaled_activations_and_gradients():
         last.forward(2, 0, scaled(first.forward(2, 0, ids)))
     last.forward(2, 1, first.forward(2, 1, ids))  # honest frames still pass
     with pytest.raises(PayloadError, match="stage 0: received gradients RMS"):
-        first.backward(2, 1, scaled(last.backward(2, 1)))
+        first.backward(2, 1, scaled(last.backward(2, 1), 1e6))  # gradients: 10^4 x the median
 
 
 @pytest.mark.parametrize(
@@ -72,3 +74,21 @@ def test_honest_training_never_trips_the_default_bound(codec: CodecConfig):
     pipe = LocalPipeline(config, norm_bound=NormBound())
     losses = [pipe.train_step(step, random_batch(config, seed=step % 4)).loss for step in range(80)]
     assert losses[-1] < losses[0]  # it learned the four batches; no frame was refused
+
+
+def test_an_honest_outlier_microbatch_gradient_passes():
+    """Regression: on the bundled data (byte tokens) one honest microbatch's gradient at step 33 is
+    410x its neighbours' median; activations' 100x bound would have evicted an honest stage."""
+    config = RunConfig(
+        model=MODEL_PRESETS["tiny"],
+        train=TrainConfig(steps=40, batch_size=12, seq_len=64, microbatches=6),
+        data=DataConfig(tokenizer="byte"),
+        n_stages=2,
+    )
+    t = config.train
+    sampler = BatchSampler(load_dataset(config).train, t.batch_size, t.seq_len, t.seed)
+    pipe = LocalPipeline(config, norm_bound=NormBound())
+    for step in range(34):
+        pipe.train_step(step, batch_ids(*sampler.next_batch()))
+    history = pipe.workers[0].gradient_guard.history
+    assert max(history) > 100 * statistics.median(history)  # the outlier is in there, accepted
