@@ -86,7 +86,7 @@ def replica_lines(proc: Proc) -> list[str]:
     return re.findall(r"one of \d+ replicas, \d+ of \d+ microbatches per step", proc.stdout())
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", "1f1b"])
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])
 def test_a_replicated_stage_trains_the_single_process_model(tmp_path, schedule):
     """Three nodes on two stages: the third becomes a replica of a stage, the stage's microbatches
     are dealt between its two replicas, which average their gradients every step; the losses are
@@ -123,7 +123,7 @@ def test_a_replicated_stage_trains_the_single_process_model(tmp_path, schedule):
 KILL_STEP = 15  # after the cut at step 9: the run rolls back to step 10 without the dead replica
 
 
-@pytest.mark.parametrize("when", ["forward", "averaging"])
+@pytest.mark.parametrize("when", [pytest.param("forward", marks=pytest.mark.slow), "averaging"])
 def test_a_replica_killed_mid_step_is_dropped_and_the_run_loses_nothing(tmp_path, when):
     """kill -9 (the whole process group: its P2P daemon dies too) of a stage replica while it
     computes a microbatch, or in the middle of the averaging round: the survivors' step fails, the
