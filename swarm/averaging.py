@@ -271,6 +271,7 @@ class ReplicaAverager:
         self.p2p, self.namespace = p2p, namespace
         self.sender_timeout, self.reducer_timeout = sender_timeout, reducer_timeout
         self.part_size_bytes = part_size_bytes  # the vector is cut into parts of this size, dealt by share
+        self.join_wait = join_wait
         self.router = AveragingRouter(join_wait)
         self.offences: collections.Counter[PeerID] = collections.Counter()  # poisoned parts seen, by member
 
@@ -299,8 +300,19 @@ class ReplicaAverager:
             part_size_bytes=self.part_size_bytes,
         )
         await self.router.register(round_.group_id, runner)
+
+        async def collect() -> list[torch.Tensor]:
+            return [delta async for delta in runner]
+
+        # hivemind times out each silent chunk; this bounds the round as a whole (a member that
+        # never starts, or trickles), so a caller never waits forever
+        limit = self.join_wait + 2 * (self.sender_timeout + self.reducer_timeout)
         try:
-            deltas = [delta async for delta in runner]
+            try:
+                deltas = await asyncio.wait_for(collect(), limit)
+            except TimeoutError:
+                others = set(round_.peers) - {self.p2p.peer_id}
+                raise RoundFailed(others - runner.poisoned, runner.poisoned, runner.aborted_by) from None
             # Done once the others have their averages too (bounded: a silent one is timed out).
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(runner.served.wait(), self.reducer_timeout)
