@@ -102,7 +102,7 @@ def plan(quick: bool) -> BenchPlan:
             ),
             averaging=averaging.AveragingPlan(tiny, n_stages=2, rounds=1),
             replicas=replicas.ReplicaPlan(
-                tiny, TrainConfig(steps=12, batch_size=8, seq_len=32, microbatches=4), counts=(1, 2)
+                tiny, TrainConfig(steps=8, batch_size=8, seq_len=32, microbatches=4), counts=(1, 2)
             ),
         )
     small = MODEL_PRESETS["small"]
