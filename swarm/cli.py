@@ -35,6 +35,9 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-len", type=int)
     g.add_argument("--microbatches", type=int)
     g.add_argument("--schedule", choices=SCHEDULES, help="microbatch schedule of every stage (swarm runs)")
+    g.add_argument(
+        "--replicas", type=int, help="most nodes per stage (swarm runs; extra nodes join the slowest stage)"
+    )
     g.add_argument("--lr", type=float)
     g.add_argument("--rotate-every", type=int, help="steps between subspace rotations (0: static)")
     g.add_argument("--checkpoint-every", type=int, help="steps between stage snapshot cuts (0: none)")
@@ -62,6 +65,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         ("train", "seq_len"): args.seq_len,
         ("train", "microbatches"): args.microbatches,
         ("train", "schedule"): args.schedule,
+        ("train", "replicas"): args.replicas,
         ("train", "lr"): args.lr,
         ("train", "seed"): args.seed,
         ("rotation", "interval"): args.rotate_every,
