@@ -33,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 
 from swarm._proto.swarm.v1 import coordinator_pb2
+from swarm.replicas import unmeasured_rate
 
 Owners = Sequence[Sequence[str]]
 
@@ -71,8 +72,7 @@ def add_replicas(
     not measured yet counts as the mean of those measured (1.0 when none is).
     """
     result = [tuple(hosts) for hosts in owners]
-    measured = [c for c in capacity.values() if c > 0]
-    default = sum(measured) / len(measured) if measured else 1.0
+    default = unmeasured_rate(capacity.values())
 
     def stage_capacity(s: int) -> tuple[float, int, int]:
         hosts = result[s]

@@ -49,7 +49,7 @@ from swarm.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
 from swarm.codecs.base import PayloadError
 from swarm.config import RunConfig, config_hash
 from swarm.metrics import Metrics
-from swarm.replicas import deal
+from swarm.replicas import deal, unmeasured_rate
 from swarm.status import RATE_WINDOW, run_rates
 from swarm.subspace import SubspaceRotation, initial_artifacts
 from swarm.transport.channel import open_channel, server_options
@@ -268,8 +268,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     def _deal(self) -> list[dict[int, str]]:
         """Each stage's microbatches dealt among its replicas by capacity: microbatch -> node."""
-        measured = [c for n, c in self.capacity.items() if self._alive_node(n) is not None]
-        unknown = sum(measured) / len(measured) if measured else 1.0  # a newcomer: the swarm's mean
+        # a newcomer counts at the mean of the live nodes measured
+        unknown = unmeasured_rate(c for n, c in self.capacity.items() if self._alive_node(n) is not None)
         dealt = []
         for hosts in self._owners():
             rates = [self.capacity.get(n) or unknown for n in hosts]

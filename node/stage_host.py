@@ -109,8 +109,8 @@ def microbatch_owners(plan: cpb.Plan) -> list[dict[int, str]]:
     return owners
 
 
-# The averaging of a hosted stage with its sibling replicas (None: it has none), made per epoch.
-AveragingFactory = Callable[[cpb.StageReplicas, Callable[[int], bool]], StageAveraging | None]
+# The averaging of a replicated hosted stage with its sibling replicas, made per epoch.
+AveragingFactory = Callable[[cpb.StageReplicas, Callable[[int], bool]], StageAveraging]
 
 
 class StageHost:

@@ -14,8 +14,15 @@ an epoch too, but then no replica knows in advance how many microbatches it must
 from __future__ import annotations
 
 import heapq
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+
+
+def unmeasured_rate(rates: Iterable[float]) -> float:
+    """What a node not measured yet counts as: the mean of the measured (positive) ``rates``,
+    1.0 when none is."""
+    measured = [r for r in rates if r > 0]
+    return sum(measured) / len(measured) if measured else 1.0
 
 
 def deal(microbatches: int, rates: Sequence[float]) -> list[list[int]]:
@@ -27,8 +34,7 @@ def deal(microbatches: int, rates: Sequence[float]) -> list[list[int]]:
     """
     if not 1 <= len(rates) <= microbatches:
         raise ValueError(f"{len(rates)} replicas cannot share {microbatches} microbatches")
-    measured = [r for r in rates if r > 0]
-    default = sum(measured) / len(measured) if measured else 1.0
+    default = unmeasured_rate(rates)
     speed = [r if r > 0 else default for r in rates]
     dealt: list[list[int]] = [[i] for i in range(len(rates))]
     heap = [(2 / s, i) for i, s in enumerate(speed)]  # when each would finish its next microbatch
