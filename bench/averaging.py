@@ -1,7 +1,7 @@
 """What averaging one stage's gradients across its replicas costs: bytes per replica and wall time.
 
 The stage is a middle stage of the benchmark model (its trainable parameters, random gradients);
-2 and 3 replicas run :class:`swarm.averaging.ReplicaAverager` on their own P2P daemons on
+2 and 3 replicas run :class:`swarm.runtime.averaging.ReplicaAverager` on their own P2P daemons on
 loopback (NAT port mapping off), equal bandwidth shares, a few rounds each. Bytes are counted
 from the tensor parts each replica sends (float64 on the wire); the time a link would add is
 bytes / rate for the busiest replica, full duplex.
@@ -18,10 +18,10 @@ from dataclasses import dataclass
 import torch
 from hivemind.p2p import P2P
 
-from swarm.averaging import ReplicaAverager, Round, shares
-from swarm.config import ModelConfig, RunConfig, TrainConfig
-from swarm.subspace import initial_artifacts
-from swarm.worker import StageWorker
+from swarm.core.config import ModelConfig, RunConfig, TrainConfig
+from swarm.core.subspace import initial_artifacts
+from swarm.runtime.averaging import ReplicaAverager, Round, shares
+from swarm.runtime.worker import StageWorker
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 

@@ -1,7 +1,7 @@
 """Churn: a local swarm with standbys where a random stage host is ``kill -9``ed every T seconds.
 
 The same run (same configuration, links, standbys) goes twice, side by side in one
-benchmark: once undisturbed and once under a :class:`~swarm.chaos.ChaosMonkey` that kills
+benchmark: once undisturbed and once under a :class:`~swarm.launch.chaos.ChaosMonkey` that kills
 a random stage-hosting node every ``kill_every_s`` seconds (a fresh node joins in its
 place, so a standby is always there). Reported: tokens/s over the whole run (wall clock,
 process start to end, so the time lost to recoveries counts) and the fraction the churned
@@ -15,8 +15,8 @@ import dataclasses
 import tempfile
 from pathlib import Path
 
-from swarm.config import CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainConfig
-from swarm.local_swarm import up
+from swarm.core.config import CheckpointConfig, DataConfig, ModelConfig, RunConfig, TrainConfig
+from swarm.launch.local_swarm import up
 
 
 @dataclasses.dataclass(frozen=True)

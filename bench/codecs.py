@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from swarm.config import CodecConfig
+from swarm.core.config import CodecConfig
 
 
 @dataclass(frozen=True)

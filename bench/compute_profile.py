@@ -1,9 +1,9 @@
 """Measure a compute profile: one transformer layer's forward and backward time per token on a device.
 
 ``python -m bench.compute_profile --preset 2b-8layer --device cuda --out my-gpu.json`` times
-one :class:`swarm.model.Block` of the preset (subspace-constrained as the preset says) on
+one :class:`swarm.core.model.Block` of the preset (subspace-constrained as the preset says) on
 ``--seq-len`` tokens per sequence, median of ``--repeats`` after warm-up, and writes a
-:class:`swarm.emulation.ComputeProfile` that ``emulation.profile`` accepts by path.
+:class:`swarm.runtime.emulation.ComputeProfile` that ``emulation.profile`` accepts by path.
 """
 
 from __future__ import annotations
@@ -14,10 +14,11 @@ import time
 
 import torch
 
-from swarm.config import MODEL_PRESETS, ModelConfig, pick_device
-from swarm.emulation import ComputeProfile
-from swarm.model import Block, rope_tables
-from swarm.subspace import random_basis
+from swarm.core.config import MODEL_PRESETS, ModelConfig
+from swarm.core.device import pick_device
+from swarm.core.model import Block, rope_tables
+from swarm.core.profiles import ComputeProfile
+from swarm.core.subspace import random_basis
 
 
 def _sync(device: torch.device) -> None:

@@ -10,9 +10,9 @@ from __future__ import annotations
 import dataclasses
 
 from bench.codecs import CodecCase
-from swarm.config import ModelConfig, RotationConfig, RunConfig, TrainConfig
-from swarm.data import TokenDataset
-from swarm.train import train
+from swarm.core.config import ModelConfig, RotationConfig, RunConfig, TrainConfig
+from swarm.io.data import TokenDataset
+from swarm.runtime.train import train
 
 
 def run_case(

@@ -23,13 +23,13 @@ import time
 from pathlib import Path
 
 from bench.netns import EmulatedNetwork
-from swarm import model_io
-from swarm.config import DataConfig, ModelConfig, RunConfig, TrainConfig
-from swarm.generate import Sampling, sample
-from swarm.inference import ClientHead
-from swarm.local_swarm import ProcessGroup, tee, wait_for_line
-from swarm.pipeline import LocalPipeline
-from swarm.remote_generate import SwarmGenerator, parse_servers
+from swarm.core.config import DataConfig, ModelConfig, RunConfig, TrainConfig
+from swarm.io import model_io
+from swarm.launch.local_swarm import ProcessGroup, tee, wait_for_line
+from swarm.runtime.pipeline import LocalPipeline
+from swarm.serve.generate import Sampling, sample
+from swarm.serve.inference import ClientHead
+from swarm.serve.remote_generate import SwarmGenerator, parse_servers
 
 PORT = 7200
 BOUNDARIES = ("dense", "subspace")
@@ -109,7 +109,7 @@ def _serve(
     group: ProcessGroup, net: EmulatedNetwork, model: Path, stage: int, port: int, boundary: str, folder: Path
 ) -> str:
     """Start ``swarm-node serve`` for ``stage`` on its host; its address once it serves."""
-    argv = [*net.exec_prefix(stage), sys.executable, "-m", "node.cli", "serve", "--model", str(model)]
+    argv = [*net.exec_prefix(stage), sys.executable, "-m", "swarm.node.cli", "serve", "--model", str(model)]
     argv += ["--stage", str(stage), "--listen", f"{net.host_ip(stage)}:{port}"]
     argv += ["--boundary", boundary, "--format", "bf16", "--device", "cpu", "--insecure"]  # emulated hosts
     name = f"serve-{boundary}-{stage}"

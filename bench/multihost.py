@@ -35,9 +35,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench.netns import EmulatedNetwork
-from swarm.config import CodecConfig, ModelConfig, RunConfig, TrainConfig
-from swarm.local_swarm import RELAYING, ProcessGroup, StatusPoller, tee, wait_for_line
-from swarm.transport.tls import NODE_SERVER_NAME, Security
+from swarm.core.config import CodecConfig, ModelConfig, RunConfig, TrainConfig
+from swarm.launch.local_swarm import RELAYING, ProcessGroup, StatusPoller, tee, wait_for_line
+from swarm.net.tls import NODE_SERVER_NAME, Security
 
 CERTS = "swarm certs init --dir certs --host COORD"
 ISSUE = "swarm certs issue --dir certs --name NAME"
@@ -153,7 +153,7 @@ class MultiHostSwarm:
         (self.folder / "run.toml").write_text(self.config.to_toml())
         self._recipe(CERTS, self.folder)
         self.coordinator = self._start(ctl, command(COORDINATOR), "coordinator", self.folder)
-        relay = [*ctl, sys.executable, "-m", "swarm.local_swarm", "relay", str(self.socket)]
+        relay = [*ctl, sys.executable, "-m", "swarm.launch.local_swarm", "relay", str(self.socket)]
         relay.append(f"{self.coordinator_ip}:{GRPC_PORT}")
         relay_proc = self.group.start(relay, self.folder / "relay.err")
         lines: list[str] = []

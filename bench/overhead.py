@@ -13,8 +13,8 @@ import time
 import torch
 
 from bench.codecs import CodecCase
-from swarm.config import ModelConfig, RunConfig, TrainConfig
-from swarm.pipeline import LocalPipeline
+from swarm.core.config import ModelConfig, RunConfig, TrainConfig
+from swarm.runtime.pipeline import LocalPipeline
 
 
 def _best_of(fn, repeats: int) -> float:

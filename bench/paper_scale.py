@@ -3,7 +3,7 @@
 Every node process runs the real runtime: real codecs on real-size tensors (d=4096,
 k=40), real frames, real gRPC through network namespaces with ``tc tbf`` access links
 (plus the transport's one-way delay: the kernel has no netem). Only the transformer
-layers are replaced by waits from a compute profile (:mod:`swarm.emulation`), so the
+layers are replaced by waits from a compute profile (:mod:`swarm.runtime.emulation`), so the
 table shows how much of each node's compute a swarm uses on the profiled device.
 
 Each row's physical bound is ``min(stage compute rate, uplink rate / bytes per token on
@@ -19,8 +19,8 @@ from dataclasses import dataclass, field
 
 from bench.codecs import CodecCase
 from bench.throughput import Link, attempt, resolve_shaper, run_config
-from swarm.config import CheckpointConfig, EmulationConfig, ModelConfig, TrainConfig, stage_layer_ranges
-from swarm.emulation import load_profile
+from swarm.core.config import CheckpointConfig, EmulationConfig, ModelConfig, TrainConfig, stage_layer_ranges
+from swarm.core.profiles import load_profile
 
 # The paper's headline (Subspace Networks, 2B 8-layer model at 80 Mbit/s): uncompressed -> compressed.
 PAPER_TOKENS_PER_S = {"dense": 36.12, "compressed": 592.41}

@@ -3,7 +3,7 @@
 What a user would otherwise pick out of the box: one process per stage,
 ``PipelineStage`` + ``ScheduleGPipe`` over the gloo backend, fp32 activations and
 gradients on the wire, AdamW with the run's learning rate. The stages are the dense
-model's (:class:`swarm.model.Stage` on :func:`swarm.config.stage_layer_ranges`,
+model's (:class:`swarm.core.model.Stage` on :func:`swarm.core.config.stage_layer_ranges`,
 ``constrain_writes=False``, weights from the run seed); batches are random token ids
 (throughput only) of the run's batch size, sequence length and microbatches.
 
@@ -33,9 +33,9 @@ from torch import nn
 
 from bench.netns import IFNAME, EmulatedNetwork
 from bench.throughput import Link
-from swarm.config import ModelConfig, TrainConfig, stage_layer_ranges
-from swarm.local_swarm import WARMUP_STEPS
-from swarm.model import Stage, fixed_embedding
+from swarm.core.config import ModelConfig, TrainConfig, stage_layer_ranges
+from swarm.core.model import Stage, fixed_embedding
+from swarm.launch.local_swarm import WARMUP_STEPS
 
 SYSTEM = "torch.distributed.pipelining (gloo, fp32)"
 PORT = 29500  # rendezvous port inside rank 0's namespace

@@ -17,8 +17,15 @@ import re
 import tempfile
 from pathlib import Path
 
-from swarm.config import CheckpointConfig, DataConfig, EmulationConfig, ModelConfig, RunConfig, TrainConfig
-from swarm.local_swarm import up
+from swarm.core.config import (
+    CheckpointConfig,
+    DataConfig,
+    EmulationConfig,
+    ModelConfig,
+    RunConfig,
+    TrainConfig,
+)
+from swarm.launch.local_swarm import up
 
 SUMMARY = re.compile(r"stage (\d+) averaging: (\d+) rounds, (\d+) bytes sent and ([\d.]+) s per round")
 

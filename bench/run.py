@@ -36,8 +36,8 @@ from bench import (
 from bench.codecs import CodecCase, codec_cases
 from bench.netns import available as netns_available
 from bench.throughput import Link
-from swarm.config import MODEL_PRESETS, ModelConfig, RunConfig, TrainConfig
-from swarm.data import load_dataset
+from swarm.core.config import MODEL_PRESETS, ModelConfig, RunConfig, TrainConfig
+from swarm.io.data import load_dataset
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Throughput of a real local swarm (coordinator + one node process per stage) on emulated links.
 
-Links are shaped in the transport (:mod:`swarm.transport.shaper`: rate limit plus
+Links are shaped in the transport (:mod:`swarm.net.shaper`: rate limit plus
 one-way delay on every stream's sends), the same for every codec, measured side by
 side in one run. Throughput is steady-state: tokens over the summed step durations,
 leaving out the first steps (process start-up, caches). The physical bound of each
@@ -28,10 +28,10 @@ from pathlib import Path
 
 from bench.codecs import CodecCase
 from bench.netns import EmulatedNetwork
-from swarm.artifacts import ArtifactCache, digest, matrix_to_bytes
-from swarm.config import ModelConfig, RunConfig, TrainConfig
-from swarm.local_swarm import up
-from swarm.subspace import initial_artifacts
+from swarm.core.config import ModelConfig, RunConfig, TrainConfig
+from swarm.core.subspace import initial_artifacts
+from swarm.io.artifacts import ArtifactCache, digest, matrix_to_bytes
+from swarm.launch.local_swarm import up
 
 
 @dataclasses.dataclass(frozen=True)

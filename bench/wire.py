@@ -23,9 +23,9 @@ import torch
 from bench.codecs import CodecCase, codec_cases
 from swarm.codecs import make_format
 from swarm.codecs.boundary import BoundaryCodec, IdentityMap
-from swarm.config import ModelConfig, RunConfig, TrainConfig
-from swarm.pipeline import LocalPipeline
-from swarm.transport.frames import to_message
+from swarm.core.config import ModelConfig, RunConfig, TrainConfig
+from swarm.net.frames import to_message
+from swarm.runtime.pipeline import LocalPipeline
 
 PAPER_D, PAPER_K, PAPER_VOCAB = 4096, 40, 32000
 PUBLIC_NODE_BYTES = 41 * 4  # the public Subspace Networks node: 40 float32 coordinates + the id as float32

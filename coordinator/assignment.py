@@ -33,7 +33,7 @@ from __future__ import annotations
 from collections.abc import Collection, Mapping, Sequence
 
 from swarm._proto.swarm.v1 import coordinator_pb2
-from swarm.replicas import unmeasured_rate
+from swarm.runtime.replicas import unmeasured_rate
 
 Owners = Sequence[Sequence[str]]
 

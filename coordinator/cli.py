@@ -24,15 +24,15 @@ import tomllib
 from dataclasses import dataclass
 
 import uvloop
+from swarm.coordinator.service import CoordinatorServer, CoordinatorService, host_port
+from swarm.coordinator.state import CoordinatorState
+from swarm.coordinator.tokens import JoinTokens
 
-from coordinator.service import CoordinatorServer, CoordinatorService, host_port
-from coordinator.state import CoordinatorState
-from coordinator.tokens import JoinTokens
-from swarm import join_token, logs
-from swarm.config import RunConfig
-from swarm.metrics import Metrics
-from swarm.status import status_document
-from swarm.transport import tls
+from swarm.core.config import RunConfig
+from swarm.net import join_token, tls
+from swarm.ops import logs
+from swarm.ops.metrics import Metrics
+from swarm.ops.status import status_document
 
 log = logging.getLogger("swarm.coordinator")
 
@@ -126,7 +126,7 @@ async def serve(service: CoordinatorService, where: Endpoints) -> None:
     dht_node = None
     if where.dht is not None:
         # Imported here: hivemind is slow to import and unneeded without a DHT.
-        from swarm.discovery import listen_maddr, start_dht, visible_maddrs
+        from swarm.net.discovery import listen_maddr, start_dht, visible_maddrs
 
         dht_node = await start_dht(
             host_maddrs=[where.dht_listen or listen_maddr(where.host)],
@@ -170,8 +170,8 @@ async def serve(service: CoordinatorService, where: Endpoints) -> None:
 
 def export(state: str, out: str) -> int:
     """``swarm-coordinator export``: the model folder of the latest complete cut."""
-    from coordinator.export import NoCheckpoint, export_from_state
-    from coordinator.service import MAX_SNAPSHOT_BYTES
+    from swarm.coordinator.export import NoCheckpoint, export_from_state
+    from swarm.coordinator.service import MAX_SNAPSHOT_BYTES
 
     try:
         manifest = export_from_state(state, out, MAX_SNAPSHOT_BYTES)

@@ -3,7 +3,7 @@
 Used by the coordinator when the final cut of a run is stored (it writes
 ``<state>.model/`` next to its state file) and by ``swarm-coordinator export --state
 FILE --out DIR`` on demand, while the run goes on or after it ended (the state file is
-only read). The format is :mod:`swarm.model_io`'s, the same ``swarm train --out`` writes.
+only read). The format is :mod:`swarm.io.model_io`'s, the same ``swarm train --out`` writes.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ import sqlite3
 from collections.abc import Iterable
 from pathlib import Path
 
-from coordinator.state import CheckpointRecord
-from coordinator.store import ArtifactStore
-from swarm import checkpoint, model_io
-from swarm.config import RunConfig
-from swarm.subspace import initial_artifacts
+from swarm.coordinator.state import CheckpointRecord
+from swarm.coordinator.store import ArtifactStore
+
+from swarm.core.config import RunConfig
+from swarm.core.subspace import initial_artifacts
+from swarm.io import checkpoint, model_io
 
 
 class NoCheckpoint(RuntimeError):

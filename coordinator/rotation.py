@@ -5,8 +5,8 @@ constrained. After optimizer step ``s`` with ``(s + 1) % interval == 0``, each s
 ``1 .. P-1`` reports the d x k statistic ``sum G^T (G U)`` of its inbound boundary
 ``b = stage - 1`` under the current subspace version. Once all ``P - 1`` boundaries of
 step ``s`` are in, they are summed in ascending boundary order (the order the
-single-process :class:`~swarm.pipeline.LocalPipeline` sums its stages in, so both compute
-bit-identical rotations) into :func:`~swarm.subspace.next_rotation`, effective from step
+single-process :class:`~swarm.runtime.pipeline.LocalPipeline` sums its stages in, so both compute
+bit-identical rotations) into :func:`~swarm.core.subspace.next_rotation`, effective from step
 ``s + 1``.
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
-from swarm.config import RunConfig
-from swarm.subspace import SubspaceRotation, next_rotation
+from swarm.core.config import RunConfig
+from swarm.core.subspace import SubspaceRotation, next_rotation
 
 
 class Rejected(Exception):

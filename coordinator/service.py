@@ -2,9 +2,9 @@
 
 All handlers run on one event loop and never await while they change the membership,
 so the in-memory plan needs no lock; every change is written through to SQLite
-(:mod:`coordinator.state`) and a restarted coordinator resumes from there.
+(:mod:`swarm.coordinator.state`) and a restarted coordinator resumes from there.
 
-Calls after ``Join`` carry the node's session credential (:mod:`coordinator.sessions`): a call
+Calls after ``Join`` carry the node's session credential (:mod:`swarm.coordinator.sessions`): a call
 naming a node id without its credential is refused, and only credentialed nodes may follow
 rotations or fetch artifacts (snapshots are model weights). ``Status`` and ``GetRunConfig``
 are open; node ids alone grant nothing.
@@ -35,27 +35,27 @@ from pathlib import Path
 from typing import NoReturn
 
 import grpc
+from swarm.coordinator.assignment import add_replicas, assign, links_for, stages_of
+from swarm.coordinator.export import artifact_store, default_model_dir, trained_model
+from swarm.coordinator.rotation import Rejected, RotationCollector
+from swarm.coordinator.sessions import SESSION_TTL_S, Session, SessionRefused, Sessions, kept_secret
+from swarm.coordinator.state import CheckpointRecord, CoordinatorState, NodeRecord, SavedStatistic
+from swarm.coordinator.store import UploadError
+from swarm.coordinator.tokens import JoinTokens
 
-from coordinator.assignment import add_replicas, assign, links_for, stages_of
-from coordinator.export import artifact_store, default_model_dir, trained_model
-from coordinator.rotation import Rejected, RotationCollector
-from coordinator.sessions import SESSION_TTL_S, Session, SessionRefused, Sessions, kept_secret
-from coordinator.state import CheckpointRecord, CoordinatorState, NodeRecord, SavedStatistic
-from coordinator.store import UploadError
-from coordinator.tokens import JoinTokens
-from swarm import model_io
 from swarm._proto.swarm.v1 import common_pb2, coordinator_pb2, coordinator_pb2_grpc, stage_pb2, stage_pb2_grpc
-from swarm.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
 from swarm.codecs.base import PayloadError
-from swarm.config import RunConfig, config_hash
-from swarm.metrics import Metrics
-from swarm.replicas import deal, unmeasured_rate
-from swarm.status import RATE_WINDOW, run_rates
-from swarm.subspace import SubspaceRotation, initial_artifacts
-from swarm.transport.channel import open_channel, server_options
-from swarm.transport.frames import PROTOCOL_VERSION, rotation_to_proto
-from swarm.transport.health import Health
-from swarm.transport.tls import INSECURE, NODE_SERVER_NAME, Security
+from swarm.core.config import RunConfig, config_hash
+from swarm.core.subspace import SubspaceRotation, initial_artifacts
+from swarm.io import model_io
+from swarm.io.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
+from swarm.net.channel import open_channel, server_options
+from swarm.net.frames import PROTOCOL_VERSION, rotation_to_proto
+from swarm.net.health import Health
+from swarm.net.tls import INSECURE, NODE_SERVER_NAME, Security
+from swarm.ops.metrics import Metrics
+from swarm.ops.status import RATE_WINDOW, run_rates
+from swarm.runtime.replicas import deal, unmeasured_rate
 
 log = logging.getLogger("swarm.coordinator")
 

@@ -5,7 +5,7 @@ under a key only the coordinator holds (a 0600 file next to its state, :func:`ke
 restarted coordinator accepts the credentials it issued). It names the join token the node was
 admitted with, so revoking that token ends the node's session at once, and it expires
 (``ttl_s``); heartbeats hand out a fresh one when less than half its lifetime is left. Nodes send
-it as gRPC metadata (:mod:`swarm.transport.session`); the coordinator checks it in constant time.
+it as gRPC metadata (:mod:`swarm.net.credentials`); the coordinator checks it in constant time.
 Node ids are not secrets: ``Status`` may show them.
 """
 
@@ -21,7 +21,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm.transport.session import NODE_KEY, SESSION_KEY
+from swarm.net.credentials import NODE_KEY, SESSION_KEY
 
 SESSION_TTL_S = 3600.0
 CREDENTIAL = re.compile(

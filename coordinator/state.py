@@ -19,8 +19,8 @@ import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
-from swarm.config import RunConfig, config_hash
-from swarm.subspace import SubspaceRotation
+from swarm.core.config import RunConfig, config_hash
+from swarm.core.subspace import SubspaceRotation
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS run (

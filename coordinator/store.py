@@ -3,7 +3,7 @@
 An upload goes to ``{digest}.part`` and is appended to strictly in order, so an
 interrupted upload resumes where the stored part ends (:meth:`held`). When the part
 reaches its declared size its sha256 is checked: a match renames it to the verified
-``{digest}.bin`` of an :class:`~swarm.artifacts.ArtifactCache` (which checks the hash
+``{digest}.bin`` of an :class:`~swarm.io.artifacts.ArtifactCache` (which checks the hash
 again on every read), a mismatch deletes it.
 """
 
@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from swarm.artifacts import ArtifactCache, digest
 from swarm.codecs.base import PayloadError
+from swarm.io.artifacts import ArtifactCache, digest
 
 
 class UploadError(PayloadError):

@@ -1,8 +1,9 @@
 """The node daemon (``swarm-node join``): hosts pipeline stages of a run.
 
-* :mod:`node.daemon`: join, follow plan epochs, leave.
-* :mod:`node.coordinator_client`, :mod:`node.link_manager`, :mod:`node.stage_host`: its parts.
-* :mod:`node.cli`: the command line.
+* :mod:`swarm.node.daemon`: join, follow plan epochs, leave.
+* :mod:`swarm.node.coordinator_client`, :mod:`swarm.node.link_manager`,
+  :mod:`swarm.node.stage_host`: its parts.
+* :mod:`swarm.node.cli`: the command line.
 """
 
-import swarm.logs  # noqa: F401 - quiets gRPC's C core before grpc loads
+import swarm.ops.logs  # noqa: F401 - quiets gRPC's C core before grpc loads

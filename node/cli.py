@@ -12,15 +12,15 @@ import sys
 from pathlib import Path
 
 import uvloop
+from swarm.node.coordinator_client import CoordinatorUnreachable, Fenced, JoinRefused
+from swarm.node.daemon import NodeDaemon
+from swarm.node.settings import NodeSettings, Timeouts
 
-from node.coordinator_client import CoordinatorUnreachable, Fenced, JoinRefused
-from node.daemon import NodeDaemon
-from node.settings import NodeSettings, Timeouts
-from swarm import join_token, logs
-from swarm.inference import BOUNDARIES, FORMATS
-from swarm.logs import say
-from swarm.transport import tls
-from swarm.transport.shaper import LinkProfile
+from swarm.net import join_token, tls
+from swarm.net.shaper import LinkProfile
+from swarm.ops import logs
+from swarm.ops.logs import say
+from swarm.serve.inference import BOUNDARIES, FORMATS
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -114,11 +114,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def serve_stage(args: argparse.Namespace) -> int:
     """``swarm-node serve``: load the stage, serve it until SIGINT/SIGTERM."""
-    from node.inference_service import serve
-    from swarm import model_io
-    from swarm.config import pick_device
-    from swarm.inference import InferenceStage
-    from swarm.metrics import Metrics
+    from swarm.node.inference_service import serve
+
+    from swarm.core.device import pick_device
+    from swarm.io import model_io
+    from swarm.ops.metrics import Metrics
+    from swarm.serve.inference import InferenceStage
 
     security = tls.from_args(args, "swarm-node serve", [args.listen])
     try:

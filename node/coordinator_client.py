@@ -21,17 +21,17 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 import grpc
+from swarm.node.settings import Timeouts
 
-from node.settings import Timeouts
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
 from swarm._proto.swarm.v1 import coordinator_pb2_grpc
-from swarm.artifacts import digest
-from swarm.metrics import Metrics
-from swarm.subspace import SubspaceRotation
-from swarm.transport.channel import open_channel
-from swarm.transport.frames import rotation_from_proto
-from swarm.transport.session import session_metadata
-from swarm.transport.tls import INSECURE, Security
+from swarm.core.subspace import SubspaceRotation
+from swarm.io.artifacts import digest
+from swarm.net.channel import open_channel
+from swarm.net.credentials import session_metadata
+from swarm.net.frames import rotation_from_proto
+from swarm.net.tls import INSECURE, Security
+from swarm.ops.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ Life of a node:
    cut, ``Leave`` and exit 0. A node the coordinator declared dead (a frozen volunteer)
    is fenced: it exits with a clear message and writes nothing into the run.
 
-The parts: :mod:`node.coordinator_client` (calls, retries, heartbeats, reports,
-rotations), :mod:`node.link_manager` (boundary streams of an epoch),
-:mod:`node.stage_host` (stages, steps, snapshots).
+The parts: :mod:`swarm.node.coordinator_client` (calls, retries, heartbeats, reports,
+rotations), :mod:`swarm.node.link_manager` (boundary streams of an epoch),
+:mod:`swarm.node.stage_host` (stages, steps, snapshots).
 """
 
 from __future__ import annotations
@@ -32,22 +32,23 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from swarm.node.coordinator_client import CoordinatorClient, CoordinatorUnreachable, Fenced, JoinRefused
+from swarm.node.link_manager import LinkManager, unreachable_boundaries
+from swarm.node.links import CLOSE_FLUSH_S, BadFrameError, LinkError, RunIdentity
+from swarm.node.replica_averaging import ReplicaGroup, Sibling
+from swarm.node.settings import NodeSettings
+from swarm.node.stage_host import Checkpointer, StageHost
+from swarm.node.stage_service import StageService
 
-from node.coordinator_client import CoordinatorClient, CoordinatorUnreachable, Fenced, JoinRefused
-from node.link_manager import LinkManager, unreachable_boundaries
-from node.links import CLOSE_FLUSH_S, BadFrameError, LinkError, RunIdentity
-from node.replica_averaging import ReplicaGroup, Sibling
-from node.settings import NodeSettings
-from node.stage_host import Checkpointer, StageHost
-from node.stage_service import StageService
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
 from swarm._proto.swarm.v1 import stage_pb2, stage_pb2_grpc
-from swarm.artifacts import ArtifactCache, matrix_from_bytes
-from swarm.averaging import ReplicaAverager
-from swarm.checkpoint import SnapshotStore
-from swarm.config import RunConfig, config_hash, pick_device
-from swarm.data import TokenDataset, load_dataset
-from swarm.discovery import (
+from swarm.core.config import RunConfig, config_hash
+from swarm.core.device import pick_device
+from swarm.io.artifacts import ArtifactCache, matrix_from_bytes
+from swarm.io.checkpoint import SnapshotStore
+from swarm.io.data import TokenDataset, load_dataset
+from swarm.net.channel import server_options
+from swarm.net.discovery import (
     RECORD_TTL_S,
     StageEndpoint,
     listen_maddr,
@@ -55,12 +56,12 @@ from swarm.discovery import (
     start_dht,
     visible_maddrs,
 )
-from swarm.logs import say, set_context
-from swarm.metrics import Metrics, MetricsServer
-from swarm.netaddr import join_host_port, split_host_port, visible_host
-from swarm.transport.channel import server_options
-from swarm.transport.frames import PROTOCOL_VERSION
-from swarm.transport.health import Health
+from swarm.net.frames import PROTOCOL_VERSION
+from swarm.net.health import Health
+from swarm.net.netaddr import join_host_port, split_host_port, visible_host
+from swarm.ops.logs import say, set_context
+from swarm.ops.metrics import Metrics, MetricsServer
+from swarm.runtime.averaging import ReplicaAverager
 
 log = logging.getLogger("swarm-node")
 

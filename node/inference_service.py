@@ -14,13 +14,13 @@ import grpc
 
 from swarm._proto.swarm.v1 import inference_pb2, inference_pb2_grpc
 from swarm.codecs.base import PayloadError
-from swarm.inference import InferenceStage
-from swarm.metrics import Metrics
-from swarm.model import KVCache
-from swarm.transport.channel import server_options
-from swarm.transport.frames import activation_from_proto, activation_to_proto
-from swarm.transport.health import Health
-from swarm.transport.tls import INSECURE, Security
+from swarm.core.model import KVCache
+from swarm.net.channel import server_options
+from swarm.net.frames import activation_from_proto, activation_to_proto
+from swarm.net.health import Health
+from swarm.net.tls import INSECURE, Security
+from swarm.ops.metrics import Metrics
+from swarm.serve.inference import InferenceStage
 
 SERVICE = inference_pb2.DESCRIPTOR.services_by_name["Inference"].full_name
 

@@ -1,11 +1,11 @@
 """The boundary streams of one plan epoch: dial or accept each one, then tear them all down.
 
 For every boundary the plan shares with another node, the plan says which side dials
-(see :mod:`coordinator.assignment`). Dialled peers' addresses come from the plan (the
+(see :mod:`swarm.coordinator.assignment`). Dialled peers' addresses come from the plan (the
 coordinator is the authority on who hosts what); only a peer the plan holds no address
 for is looked up in the DHT, under the node id the plan names. Accepted streams come in
-through the node's :class:`~node.stage_service.StageService`, for which this manager is
-the current :class:`~node.stage_service.Acceptor` while its epoch lasts. Every Hello
+through the node's :class:`~swarm.node.stage_service.StageService`, for which this manager is
+the current :class:`~swarm.node.stage_service.Acceptor` while its epoch lasts. Every Hello
 carries the epoch, so streams of different epochs never pair up.
 """
 
@@ -18,16 +18,24 @@ import logging
 from dataclasses import replace
 
 import grpc
+from swarm.node.links import (
+    CLOSE_FLUSH_S,
+    LinkError,
+    PlannedPeer,
+    RunIdentity,
+    StageLink,
+    dial,
+    rejection_reason,
+)
+from swarm.node.schedule import StageRunner
+from swarm.node.settings import NodeSettings
+from swarm.node.stage_service import StageService
 
-from node.links import CLOSE_FLUSH_S, LinkError, PlannedPeer, RunIdentity, StageLink, dial, rejection_reason
-from node.schedule import StageRunner
-from node.settings import NodeSettings
-from node.stage_service import StageService
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
 from swarm._proto.swarm.v1 import stage_pb2
-from swarm.discovery import find_stage
-from swarm.logs import say
-from swarm.metrics import Metrics
+from swarm.net.discovery import find_stage
+from swarm.ops.logs import say
+from swarm.ops.metrics import Metrics
 
 log = logging.getLogger(__name__)
 

@@ -26,12 +26,12 @@ import grpc
 
 from swarm._proto.swarm.v1 import stage_pb2, stage_pb2_grpc
 from swarm.codecs.base import PayloadError
-from swarm.metrics import Metrics
-from swarm.transport.channel import DEFAULT_KEEPALIVE, KeepAlive, open_channel
-from swarm.transport.frames import PROTOCOL_VERSION, frame_from_message, to_message
-from swarm.transport.shaper import UNSHAPED, LinkProfile, ShapedSender
-from swarm.transport.tls import INSECURE, NODE_SERVER_NAME, Security
-from swarm.wire import ActivationFrame, BoundarySync, GradientFrame
+from swarm.net.channel import DEFAULT_KEEPALIVE, KeepAlive, open_channel
+from swarm.net.frames import PROTOCOL_VERSION, frame_from_message, to_message
+from swarm.net.shaper import UNSHAPED, LinkProfile, ShapedSender
+from swarm.net.tls import INSECURE, NODE_SERVER_NAME, Security
+from swarm.ops.metrics import Metrics
+from swarm.runtime.wire import ActivationFrame, BoundarySync, GradientFrame
 
 log = logging.getLogger(__name__)
 SEND_QUEUE_MESSAGES = 4  # messages a boundary holds queued for sending before send() waits

@@ -21,13 +21,13 @@ from dataclasses import dataclass
 import torch
 from hivemind.p2p import PeerID
 from hivemind.utils.multiaddr import Multiaddr
+from swarm.node.links import BadFrameError, LinkError
+from swarm.node.schedule import StepCounts
 
-from node.links import BadFrameError, LinkError
-from node.schedule import StepCounts
-from swarm.averaging import ReplicaAverager, Round, RoundFailed, shares
-from swarm.logs import say
-from swarm.metrics import Metrics
-from swarm.worker import StageWorker
+from swarm.ops.logs import say
+from swarm.ops.metrics import Metrics
+from swarm.runtime.averaging import ReplicaAverager, Round, RoundFailed, shares
+from swarm.runtime.worker import StageWorker
 
 
 class ReplicaLost(LinkError):
@@ -52,7 +52,7 @@ class Sibling:
 
 
 class ReplicaGroup:
-    """Averages one stage's step with its sibling replicas (a :class:`~node.schedule.StageAveraging`).
+    """Averages one stage's step with its sibling replicas (a :class:`~swarm.node.schedule.StageAveraging`).
 
     ``key`` names the stage in this epoch (rounds add the step); ``me`` is this node's id;
     ``statistic_due(step)``: whether the boundary statistic is reported after ``step``.

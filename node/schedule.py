@@ -11,7 +11,7 @@ are GPipe's up to the order of fp32 accumulation. Then neighbours
 exchange boundary state (MAPL gradient shares, RVQ codebook deltas), the optimizer
 steps, and a rotation announced for the next step is waited for and applied.
 
-With replicas (several nodes hosting one stage, :mod:`swarm.replicas`) a stage processes only
+With replicas (several nodes hosting one stage, :mod:`swarm.runtime.replicas`) a stage processes only
 its own microbatches of each step, sends each activation to the next stage's replica the plan
 routes it to and each gradient back to the replica it came from, refuses frames from any other
 peer, and averages its gradients with its sibling replicas (:class:`StageAveraging`) before the
@@ -38,15 +38,15 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
+from swarm.node.links import BadFrameError, rejection_reason
 
-from node.links import BadFrameError, rejection_reason
 from swarm._proto.swarm.v1 import stage_pb2
 from swarm.codecs.base import PayloadError, StaleVersionError
-from swarm.mapl import pack_gradients, sum_gradients, unpack_gradients
-from swarm.metrics import Metrics
-from swarm.replicas import Routes
-from swarm.wire import ActivationFrame, BoundarySync, GradientFrame
-from swarm.worker import StageStats, StageWorker
+from swarm.core.mapl import pack_gradients, sum_gradients, unpack_gradients
+from swarm.ops.metrics import Metrics
+from swarm.runtime.replicas import Routes
+from swarm.runtime.wire import ActivationFrame, BoundarySync, GradientFrame
+from swarm.runtime.worker import StageStats, StageWorker
 
 log = logging.getLogger(__name__)
 

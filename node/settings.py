@@ -10,9 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from swarm.transport.channel import KeepAlive
-from swarm.transport.shaper import LinkProfile
-from swarm.transport.tls import INSECURE, Security
+from swarm.net.channel import KeepAlive
+from swarm.net.shaper import LinkProfile
+from swarm.net.tls import INSECURE, Security
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """The stages a node hosts in one plan epoch: built or restored, trained, snapshotted.
 
-Every epoch starts from fresh :class:`~swarm.worker.StageWorker` objects (built off the
+Every epoch starts from fresh :class:`~swarm.runtime.worker.StageWorker` objects (built off the
 event loop): from the run seed when the epoch resumes at step 0, else restored from the
 snapshots of the epoch's cut (the node's own verified copy when it has one, else fetched
 from the coordinator). Consecutive hosted stages talk in memory. After each step the
@@ -18,21 +18,21 @@ import time
 from collections.abc import Callable
 
 import torch
+from swarm.node.coordinator_client import CoordinatorClient
+from swarm.node.links import LocalLink
+from swarm.node.schedule import StageAveraging, StageRunner, StepOutcome
+from swarm.node.settings import Timeouts
 
-from node.coordinator_client import CoordinatorClient
-from node.links import LocalLink
-from node.schedule import StageAveraging, StageRunner, StepOutcome
-from node.settings import Timeouts
-from swarm import checkpoint
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
-from swarm.config import RunConfig
-from swarm.data import BatchSampler, TokenDataset, batch_ids
-from swarm.logs import say
-from swarm.metrics import Metrics
-from swarm.norm_guard import NormBound
-from swarm.replicas import Routes
-from swarm.subspace import initial_basis
-from swarm.worker import StageWorker
+from swarm.core.config import RunConfig
+from swarm.core.subspace import initial_basis
+from swarm.io import checkpoint
+from swarm.io.data import BatchSampler, TokenDataset, batch_ids
+from swarm.ops.logs import say
+from swarm.ops.metrics import Metrics
+from swarm.runtime.norm_guard import NormBound
+from swarm.runtime.replicas import Routes
+from swarm.runtime.worker import StageWorker
 
 log = logging.getLogger(__name__)
 

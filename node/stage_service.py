@@ -1,10 +1,10 @@
 """The node's gRPC ``Stage`` service: accepts the boundary streams its neighbours dial.
 
 The service lives as long as the node; what it accepts changes with the plan. Each
-epoch's :class:`~node.link_manager.LinkManager` registers itself as the current
+epoch's :class:`~swarm.node.link_manager.LinkManager` registers itself as the current
 :class:`Acceptor`; an accepted stream is checked against it (Hello: protocol, run,
 config hash, stage secret, boundary, planned peer node and plan epoch) and then handed
-over as a :class:`~node.links.StageLink`. The handler stays alive, reading, until the
+over as a :class:`~swarm.node.links.StageLink`. The handler stays alive, reading, until the
 peer closes the stream, the node stops, or the epoch's links are torn down.
 """
 
@@ -16,8 +16,7 @@ import logging
 from typing import Protocol
 
 import grpc
-
-from node.links import (
+from swarm.node.links import (
     PlannedPeer,
     RunIdentity,
     StageLink,
@@ -27,10 +26,11 @@ from node.links import (
     planned,
     rejection_reason,
 )
+
 from swarm._proto.swarm.v1 import stage_pb2, stage_pb2_grpc
-from swarm.metrics import Metrics
-from swarm.transport.frames import PROTOCOL_VERSION
-from swarm.transport.shaper import UNSHAPED, LinkProfile
+from swarm.net.frames import PROTOCOL_VERSION
+from swarm.net.shaper import UNSHAPED, LinkProfile
+from swarm.ops.metrics import Metrics
 
 log = logging.getLogger(__name__)
 HELLO_S = 10.0  # a stream whose Hello has not arrived by then is dropped (it holds a server slot)

@@ -9,8 +9,8 @@ import sys
 import time
 import tomllib
 
-from swarm.config import MODEL_PRESETS, SCHEDULES, RunConfig, config_hash
-from swarm.transport.tls import add_arguments as tls_arguments
+from swarm.core.config import MODEL_PRESETS, SCHEDULES, RunConfig, config_hash
+from swarm.net.tls import add_arguments as tls_arguments
 
 DEFAULT_RUN = {
     "model": dataclasses.asdict(MODEL_PRESETS["small"]),
@@ -82,7 +82,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from swarm.train import train
+    from swarm.runtime.train import train
 
     config = run_config_from_args(args)
     print(f"run {config_hash(config)[:12]}: {config.to_json()}")
@@ -98,7 +98,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
-    from swarm.local_swarm import up
+    from swarm.launch.local_swarm import up
 
     config = run_config_from_args(args)
     print(
@@ -151,8 +151,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     import grpc
 
     from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
-    from swarm.status import render, status_document
-    from swarm.transport import tls
+    from swarm.net import tls
+    from swarm.ops.status import render, status_document
 
     security = tls.from_args(args, "swarm status", [args.coordinator], server=False)
     with security.channel(args.coordinator) as channel:
@@ -182,17 +182,17 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from swarm import model_io
-    from swarm.config import pick_device
-    from swarm.generate import Sampling, generate
+    from swarm.core.device import pick_device
+    from swarm.io import model_io
+    from swarm.serve.generate import Sampling, generate
 
     trained = model_io.load(args.model)
     sampling = Sampling(args.max_tokens, args.temperature, args.top_p, args.seed)
     if not args.servers:
         print(generate(trained, args.prompt, sampling, pick_device(args.device)))
         return 0
-    from swarm.remote_generate import generate_remote, parse_servers
-    from swarm.transport import tls
+    from swarm.net import tls
+    from swarm.serve.remote_generate import generate_remote, parse_servers
 
     servers = parse_servers(args.servers)
     addresses = [a for stage in servers.values() for a in stage]
@@ -215,8 +215,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from swarm import model_io
-    from swarm.hf_export import export_hf
+    from swarm.io import model_io
+    from swarm.io.hf_export import export_hf
 
     out = export_hf(model_io.load(args.model), args.hf)
     print(f"LlamaForCausalLM and its tokenizer written to {out} (load with from_pretrained)")
@@ -236,7 +236,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_certs(args: argparse.Namespace) -> int:
-    from swarm import certs
+    from swarm.net import certs
 
     if args.action == "init":
         ca = certs.init(args.dir, args.host or certs.DEFAULT_COORDINATOR_HOSTS)

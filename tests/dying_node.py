@@ -1,6 +1,6 @@
 """A stage replica whose machine dies: ``python -m tests.dying_node WHEN STEP join ...``.
 
-It runs the real node daemon (``node.cli``, every argument after ``STEP``) in its own process
+It runs the real node daemon (``swarm.node.cli``, every argument after ``STEP``) in its own process
 group, and at step ``STEP`` of a stage it hosts as a replica it SIGKILLs that group (itself and
 its P2P daemon, as a power cut would): mid-``forward`` (while computing its second microbatch of
 the step) or mid-``averaging`` (right after sending its first part of the all-reduce round).
@@ -12,8 +12,9 @@ import os
 import signal
 import sys
 
-from node import cli, schedule
-from swarm import averaging
+from swarm.node import cli, schedule
+
+from swarm.runtime import averaging
 
 
 def die() -> None:

@@ -6,7 +6,7 @@ import dataclasses
 
 import torch
 
-from swarm.config import CodecConfig, ModelConfig, RunConfig, TrainConfig
+from swarm.core.config import CodecConfig, ModelConfig, RunConfig, TrainConfig
 
 
 def tiny_config(

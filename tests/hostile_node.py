@@ -1,6 +1,6 @@
 """A volunteer that turns hostile: ``python -m tests.hostile_node ATTACK FROM_STEP join ...``.
 
-It runs the real node daemon (``node.cli``, every argument after ``FROM_STEP``) with its
+It runs the real node daemon (``swarm.node.cli``, every argument after ``FROM_STEP``) with its
 boundary sends wrapped: from step ``FROM_STEP`` on, every activation frame it sends carries
 NaN coordinates (``nan``), twice the rows its shape says (``oversized``), finite bf16
 coordinates scaled up 10^4 times (``scaled``: only a norm bound catches it), or goes out twice
@@ -13,9 +13,9 @@ import sys
 from dataclasses import replace
 
 import torch
+from swarm.node import cli, links
 
-from node import cli, links
-from swarm.wire import ActivationFrame
+from swarm.runtime.wire import ActivationFrame
 
 ATTACKS = ("nan", "oversized", "scaled", "replay")
 

@@ -17,12 +17,12 @@ from typing import Any
 
 import grpc
 import pytest
+from swarm.coordinator.sessions import Sessions
+from swarm.coordinator.tokens import token_id
 
-from coordinator.sessions import Sessions
-from coordinator.tokens import token_id
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
-from swarm.config import MODEL_PRESETS, CheckpointConfig, DataConfig, RunConfig, TrainConfig
-from swarm.transport.session import session_metadata
+from swarm.core.config import MODEL_PRESETS, CheckpointConfig, DataConfig, RunConfig, TrainConfig
+from swarm.net.credentials import session_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "node-test-join-token"
@@ -136,7 +136,7 @@ def coordinator(
         config = tiny_run(folder, config)
     path = folder / "run.toml"
     path.write_text(config.to_toml())
-    args = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(path)]
+    args = [sys.executable, "-m", "swarm.coordinator.cli", "serve", "--config", str(path)]
     args += ["--port", str(port), "--state", str(folder / "state.sqlite")]
     args += [] if dht else ["--no-dht"]
     args += ["--metrics-port", "-1", *flags]
@@ -150,7 +150,7 @@ def node(
     name: str,
     address: str,
     *flags: str,
-    runner: Sequence[str] = ("node.cli",),
+    runner: Sequence[str] = ("swarm.node.cli",),
     dht: bool = False,
 ) -> Proc:
     """Start ``swarm-node join`` (``runner``: the module and its leading arguments, e.g. a hostile

@@ -12,8 +12,8 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
-from swarm.averaging import ReplicaAverager, Round, RoundFailed, shares
-from swarm.pipeline import LocalPipeline
+from swarm.runtime.averaging import ReplicaAverager, Round, RoundFailed, shares
+from swarm.runtime.pipeline import LocalPipeline
 from tests.helpers import random_batch, tiny_config
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]

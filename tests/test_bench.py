@@ -8,7 +8,7 @@ import pytest
 
 from bench.netns import available
 from swarm.cli import main
-from swarm.emulation import ComputeProfile
+from swarm.core.profiles import ComputeProfile
 
 
 def test_quick_bench_writes_results(tmp_path, capsys):

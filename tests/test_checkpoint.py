@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from swarm import checkpoint
 from swarm.codecs.base import PayloadError
-from swarm.data import BatchSampler
-from swarm.pipeline import LocalPipeline
+from swarm.io import checkpoint
+from swarm.io.data import BatchSampler
+from swarm.runtime.pipeline import LocalPipeline
 from tests.helpers import random_batch, tiny_config
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import pytest
 
 from swarm._proto.swarm.v1 import coordinator_pb2
-from swarm.chaos import ChaosMonkey, Kill
-from swarm.config import CodecConfig, RotationConfig, RunConfig
-from swarm.data import BatchSampler, batch_ids, load_dataset
-from swarm.pipeline import LocalPipeline
+from swarm.core.config import CodecConfig, RotationConfig, RunConfig
+from swarm.io.data import BatchSampler, batch_ids, load_dataset
+from swarm.launch.chaos import ChaosMonkey, Kill
+from swarm.runtime.pipeline import LocalPipeline
 from tests.procs import (
     Proc,
     coordinator,

@@ -19,17 +19,17 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from swarm.coordinator.assignment import add_replicas, assign, links_for, stages_of, take_stages
+from swarm.coordinator.service import CoordinatorServer, CoordinatorService
 
-from coordinator.assignment import add_replicas, assign, links_for, stages_of, take_stages
-from coordinator.service import CoordinatorServer, CoordinatorService
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
-from swarm.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
 from swarm.cli import DEFAULT_RUN
-from swarm.config import RotationConfig, RunConfig, config_hash
-from swarm.metrics import Metrics
-from swarm.subspace import initial_artifacts, next_rotation
-from swarm.transport.frames import PROTOCOL_VERSION, rotation_from_proto
-from swarm.transport.session import session_metadata
+from swarm.core.config import RotationConfig, RunConfig, config_hash
+from swarm.core.subspace import initial_artifacts, next_rotation
+from swarm.io.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
+from swarm.net.credentials import session_metadata
+from swarm.net.frames import PROTOCOL_VERSION, rotation_from_proto
+from swarm.ops.metrics import Metrics
 from tests.helpers import tiny_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -926,7 +926,17 @@ def read_line(proc: subprocess.Popen[str], timeout: float, log: Path) -> str:
 
 def test_cli_serves_and_stops_on_sigterm(tmp_path):
     """No --config: the embedded default run."""
-    command = ["-m", "coordinator.cli", "serve", "--no-dht", "--port", "0", "--metrics-port", "-1", "--state"]
+    command = [
+        "-m",
+        "swarm.coordinator.cli",
+        "serve",
+        "--no-dht",
+        "--port",
+        "0",
+        "--metrics-port",
+        "-1",
+        "--state",
+    ]
     log = tmp_path / "stderr.log"
     with log.open("w") as stderr:
         proc = subprocess.Popen(

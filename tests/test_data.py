@@ -1,4 +1,4 @@
-"""Tests for swarm.data: corpus loading, tokenizers and their caches, token datasets, batch samplers."""
+"""Tests for swarm.io.data: corpus loading, tokenizers and their caches, token datasets, batch samplers."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm import data
-from swarm.data import (
+from swarm.io import data
+from swarm.io.data import (
     BatchSampler,
     BpeTokenizer,
     ByteTokenizer,

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 import yaml
+from swarm.coordinator import cli as coordinator_cli
+from swarm.node import cli as node_cli
 
-from coordinator import cli as coordinator_cli
-from node import cli as node_cli
-from swarm.metrics import Metrics
+from swarm.ops.metrics import Metrics
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 NODES = [f"node{i}" for i in range(4)]
@@ -141,7 +141,7 @@ def test_dashboard_queries_only_metrics_the_code_exports() -> None:
         roles = sorted(JOB_ROLES[job] for job in jobs)
         names = set().union(*(exported[role] for role in roles))
         missing |= {f"{m} ({'/'.join(roles)})" for m in METRIC.findall(expr) if m not in names}
-    assert not missing, "metrics missing from swarm.metrics.Metrics(role): " + ", ".join(sorted(missing))
+    assert not missing, "metrics missing from swarm.ops.metrics.Metrics(role): " + ", ".join(sorted(missing))
 
 
 @pytest.mark.parametrize(("role", "command"), [("coordinator", "serve"), ("node", "join")])

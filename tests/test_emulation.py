@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bench.compute_profile import profile as measure_profile
-from swarm.config import (
+from swarm.core.config import (
     MODEL_PRESETS,
     CheckpointConfig,
     CodecConfig,
@@ -19,8 +19,8 @@ from swarm.config import (
     RunConfig,
     TrainConfig,
 )
-from swarm.emulation import ComputeProfile, load_profile
-from swarm.pipeline import LocalPipeline
+from swarm.core.profiles import ComputeProfile, load_profile
+from swarm.runtime.pipeline import LocalPipeline
 
 
 def _config(kind: str, fmt: str, **kw) -> RunConfig:

@@ -8,11 +8,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm import model_io
-from swarm.config import MODEL_PRESETS, CodecConfig, DataConfig, RunConfig, TrainConfig
-from swarm.generate import Sampling, generate, generate_ids
-from swarm.hf_export import export_hf
-from swarm.train import train
+from swarm.core.config import MODEL_PRESETS, CodecConfig, DataConfig, RunConfig, TrainConfig
+from swarm.io import model_io
+from swarm.io.hf_export import export_hf
+from swarm.runtime.train import train
+from swarm.serve.generate import Sampling, generate, generate_ids
 
 transformers = pytest.importorskip("transformers")
 TEXT = "To be, or not to be, that is the question:\nWhether 'tis nobler — héllo wörld 😀"

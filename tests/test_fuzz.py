@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 
 from swarm._proto.swarm.v1 import common_pb2, stage_pb2
 from swarm.codecs.base import PayloadError
-from swarm.mapl import pack_gradients, unpack_gradients
-from swarm.pipeline import LocalPipeline
-from swarm.subspace import SubspaceRotation, random_basis
-from swarm.transport.frames import frame_from_message, parse_message, to_message
-from swarm.wire import ActivationFrame
+from swarm.core.mapl import pack_gradients, unpack_gradients
+from swarm.core.subspace import SubspaceRotation, random_basis
+from swarm.net.frames import frame_from_message, parse_message, to_message
+from swarm.runtime.pipeline import LocalPipeline
+from swarm.runtime.wire import ActivationFrame
 from tests.helpers import random_batch, tiny_config
 
 # (kind, forward format, backward format, zstd level): every format a frame can carry.

@@ -19,13 +19,13 @@ import pytest
 from google.protobuf.message import DecodeError
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from swarm.coordinator.service import CoordinatorServer, CoordinatorService
 
-from coordinator.service import CoordinatorServer, CoordinatorService
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
 from swarm._proto.swarm.v1 import coordinator_pb2_grpc
-from swarm.metrics import Metrics
-from swarm.transport.frames import PROTOCOL_VERSION
-from swarm.transport.session import session_metadata
+from swarm.net.credentials import session_metadata
+from swarm.net.frames import PROTOCOL_VERSION
+from swarm.ops.metrics import Metrics
 from tests.helpers import tiny_config
 
 TOKEN = "fuzz-test-join-token"

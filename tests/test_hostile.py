@@ -13,9 +13,9 @@ import math
 
 import pytest
 import torch
+from swarm.coordinator.export import default_model_dir
 
-from coordinator.export import default_model_dir
-from swarm import model_io
+from swarm.io import model_io
 from tests.procs import coordinator, node, processes, tiny_run, wait_for_nodes, wait_status
 
 STEPS, INTERVAL, FROM_STEP = 30, 5, 12
@@ -29,7 +29,9 @@ def test_a_hostile_node_is_evicted_and_the_run_completes(tmp_path, attack):
         names = ["n0", "hostile", "n2", "standby"]
         started = {}
         for i, name in enumerate(names):  # joined in order: node i hosts stage i, the last waits
-            runner = ("tests.hostile_node", attack, str(FROM_STEP)) if name == "hostile" else ("node.cli",)
+            runner = (
+                ("tests.hostile_node", attack, str(FROM_STEP)) if name == "hostile" else ("swarm.node.cli",)
+            )
             started[name] = node(procs, tmp_path, name, address, "--link-latency-ms", "5", runner=runner)
             wait_for_nodes(address, i + 1)
         final = wait_status(address, lambda r: r.run_complete, "the run to complete", 180)

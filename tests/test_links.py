@@ -12,21 +12,21 @@ from typing import Any
 import grpc
 import pytest
 import torch
+from swarm.node import stage_service
+from swarm.node.links import BadFrameError, LinkError, PlannedPeer, RunIdentity, StageLink, dial, hello
+from swarm.node.schedule import StageRunner
+from swarm.node.stage_host import connect_local
+from swarm.node.stage_service import StageService
 
-from node import stage_service
-from node.links import BadFrameError, LinkError, PlannedPeer, RunIdentity, StageLink, dial, hello
-from node.schedule import StageRunner
-from node.stage_host import connect_local
-from node.stage_service import StageService
 from swarm._proto.swarm.v1 import common_pb2, stage_pb2, stage_pb2_grpc
 from swarm.codecs.base import EncodedTensor, StaleVersionError
-from swarm.config import config_hash
-from swarm.metrics import Metrics
-from swarm.pipeline import LocalPipeline
-from swarm.transport.channel import open_channel, server_options
-from swarm.transport.frames import to_message
-from swarm.transport.shaper import LinkProfile
-from swarm.wire import ActivationFrame, GradientFrame
+from swarm.core.config import config_hash
+from swarm.net.channel import open_channel, server_options
+from swarm.net.frames import to_message
+from swarm.net.shaper import LinkProfile
+from swarm.ops.metrics import Metrics
+from swarm.runtime.pipeline import LocalPipeline
+from swarm.runtime.wire import ActivationFrame, GradientFrame
 from tests.helpers import random_batch, tiny_config
 
 CONFIG = tiny_config(n_stages=2)

@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from swarm.codecs.base import PayloadError
-from swarm.mapl import pack_gradients, unpack_gradients
-from swarm.optim import StiefelSGD, qr_retraction
-from swarm.pipeline import LocalPipeline
+from swarm.core.mapl import pack_gradients, unpack_gradients
+from swarm.core.optim import StiefelSGD, qr_retraction
+from swarm.runtime.pipeline import LocalPipeline
 from tests.helpers import random_batch, tiny_config
 
 

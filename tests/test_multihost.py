@@ -28,7 +28,7 @@ from bench.multihost import (
     MultiHostPlan,
 )
 from bench.netns import available
-from swarm.config import MODEL_PRESETS, TrainConfig
+from swarm.core.config import MODEL_PRESETS, TrainConfig
 from tests.test_deploy import dashboard_exprs
 
 ROOT = Path(__file__).resolve().parents[1]

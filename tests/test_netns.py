@@ -13,8 +13,8 @@ import pytest
 from bench import peer
 from bench.netns import IFNAME, EmulatedNetwork, available, cleanup_stale, list_namespaces
 from bench.throughput import Link
-from swarm.config import MODEL_PRESETS, CodecConfig, RunConfig, TrainConfig
-from swarm.local_swarm import up
+from swarm.core.config import MODEL_PRESETS, CodecConfig, RunConfig, TrainConfig
+from swarm.launch.local_swarm import up
 
 OK, REASON = available()
 pytestmark = pytest.mark.skipif(not OK, reason=REASON)

@@ -17,7 +17,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from swarm._proto.swarm.v1 import coordinator_pb2
-from swarm.config import MODEL_PRESETS
+from swarm.core.config import MODEL_PRESETS
 from tests.procs import (
     CORPUS,
     Proc,
@@ -189,7 +189,7 @@ def test_join_tokens_stay_off_command_lines_and_out_of_logs(tmp_path):
     config = tiny_run(tmp_path, 2)
     (tmp_path / "run.toml").write_text(config.to_toml())
     state = tmp_path / "state.sqlite"
-    args = [sys.executable, "-m", "coordinator.cli", "serve", "--config", str(tmp_path / "run.toml")]
+    args = [sys.executable, "-m", "swarm.coordinator.cli", "serve", "--config", str(tmp_path / "run.toml")]
     args += ["--port", "0", "--state", str(state), "--no-dht", "--metrics-port", "-1"]
     with processes() as procs:
         procs.append(Proc(args, tmp_path / "coordinator.err", without_token=True))
@@ -197,7 +197,7 @@ def test_join_tokens_stay_off_command_lines_and_out_of_logs(tmp_path):
         token_file = state.with_name("state.sqlite.token")
         token = token_file.read_text().strip()
         assert len(token) >= 24 and token_file.stat().st_mode & 0o777 == 0o600
-        join = [sys.executable, "-m", "node.cli", "join", "--coordinator", address, "--no-dht"]
+        join = [sys.executable, "-m", "swarm.node.cli", "join", "--coordinator", address, "--no-dht"]
         join += ["--device", "cpu", "--connect-timeout", "30"]
         by_file = Proc(
             [*join, "--data-dir", str(tmp_path / "a"), "--token-file", str(token_file)],

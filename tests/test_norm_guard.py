@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from swarm.codecs.base import PayloadError
-from swarm.config import MODEL_PRESETS, CodecConfig, DataConfig, RotationConfig, RunConfig, TrainConfig
-from swarm.data import BatchSampler, batch_ids, load_dataset
-from swarm.norm_guard import NormBound, NormGuard
-from swarm.pipeline import LocalPipeline
+from swarm.core.config import MODEL_PRESETS, CodecConfig, DataConfig, RotationConfig, RunConfig, TrainConfig
+from swarm.io.data import BatchSampler, batch_ids, load_dataset
+from swarm.runtime.norm_guard import NormBound, NormGuard
+from swarm.runtime.pipeline import LocalPipeline
 from tests.helpers import random_batch, tiny_config
 
 

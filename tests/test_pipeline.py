@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from swarm.model import Stage
-from swarm.pipeline import LocalPipeline
-from swarm.subspace import initial_artifacts
+from swarm.core.model import Stage
+from swarm.core.subspace import initial_artifacts
+from swarm.runtime.pipeline import LocalPipeline
 from tests.helpers import random_batch, tiny_config
 
 

@@ -17,8 +17,8 @@ from google.protobuf import descriptor_pb2
 from swarm._proto.swarm.v1 import common_pb2, coordinator_pb2, stage_pb2, stage_pb2_grpc
 from swarm.codecs.base import EncodedTensor, PayloadError
 from swarm.codecs.floats import BFloat16Format
-from swarm.subspace import SubspaceRotation, random_basis
-from swarm.transport.frames import (
+from swarm.core.subspace import SubspaceRotation, random_basis
+from swarm.net.frames import (
     PROTOCOL_VERSION,
     frame_from_message,
     parse_message,
@@ -27,7 +27,7 @@ from swarm.transport.frames import (
     serialized_overhead,
     to_message,
 )
-from swarm.wire import ActivationFrame, GradientFrame, compress, pack_tokens
+from swarm.runtime.wire import ActivationFrame, GradientFrame, compress, pack_tokens
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -11,16 +11,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from swarm.node.replica_averaging import ReplicaGroup, Sibling
+from swarm.node.schedule import StepCounts
 
-from node.replica_averaging import ReplicaGroup, Sibling
-from node.schedule import StepCounts
-from swarm.config import RotationConfig, RunConfig, TrainConfig
-from swarm.data import BatchSampler, batch_ids, load_dataset
-from swarm.metrics import Metrics
-from swarm.pipeline import LocalPipeline
-from swarm.replicas import Routes, deal
-from swarm.subspace import initial_artifacts
-from swarm.worker import StageWorker
+from swarm.core.config import RotationConfig, RunConfig, TrainConfig
+from swarm.core.subspace import initial_artifacts
+from swarm.io.data import BatchSampler, batch_ids, load_dataset
+from swarm.ops.metrics import Metrics
+from swarm.runtime.pipeline import LocalPipeline
+from swarm.runtime.replicas import Routes, deal
+from swarm.runtime.worker import StageWorker
 from tests.helpers import random_batch, tiny_config
 from tests.procs import Proc, coordinator, node, processes, tiny_run, wait_for_nodes, wait_status
 from tests.test_averaging import averagers, p2p_group, run

@@ -18,7 +18,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
-from swarm.status import render, run_rates, status_document
+from swarm.ops.status import render, run_rates, status_document
 from tests.procs import coordinator, node, processes, wait_for_nodes, wait_status
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from swarm.codecs.base import PayloadError
-from swarm.pipeline import LocalPipeline
-from swarm.subspace import (
+from swarm.core.subspace import (
     BoundaryStatistic,
     SubspaceRotation,
     grassmann_step,
@@ -17,6 +16,7 @@ from swarm.subspace import (
     random_basis,
     rotate_stage,
 )
+from swarm.runtime.pipeline import LocalPipeline
 from tests.helpers import random_batch, tiny_config
 
 

@@ -13,12 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm import model_io
-from swarm.artifacts import ArtifactCache
-from swarm.config import MODEL_PRESETS, CodecConfig, RotationConfig, RunConfig, TrainConfig
-from swarm.data import BatchSampler, batch_ids, load_dataset
-from swarm.local_swarm import up
-from swarm.pipeline import LocalPipeline
+from swarm.core.config import MODEL_PRESETS, CodecConfig, RotationConfig, RunConfig, TrainConfig
+from swarm.io import model_io
+from swarm.io.artifacts import ArtifactCache
+from swarm.io.data import BatchSampler, batch_ids, load_dataset
+from swarm.launch.local_swarm import up
+from swarm.runtime.pipeline import LocalPipeline
 
 FRAMING_BYTES_PER_FRAME = 64
 
@@ -79,7 +79,14 @@ def test_the_coordinator_exports_the_model_a_local_run_would_train(three_stage_r
     config, run, _ = three_stage_run
     auto = model_io.load(run / "coordinator.sqlite.model")
     assert auto.step == config.train.steps - 1 and auto.config == config
-    cli = [sys.executable, "-m", "coordinator.cli", "export", "--state", str(run / "coordinator.sqlite")]
+    cli = [
+        sys.executable,
+        "-m",
+        "swarm.coordinator.cli",
+        "export",
+        "--state",
+        str(run / "coordinator.sqlite"),
+    ]
     done = subprocess.run(
         [*cli, "--out", str(tmp_path / "model")], capture_output=True, text=True, timeout=120
     )

@@ -16,16 +16,16 @@ from pathlib import Path
 import grpc
 import pytest
 
-from swarm import certs, model_io
 from swarm._proto.swarm.v1 import inference_pb2, inference_pb2_grpc
-from swarm.config import MODEL_PRESETS, CodecConfig, DataConfig, RunConfig, TrainConfig
-from swarm.generate import Sampling, generate_ids, sample
-from swarm.inference import ClientHead, InferenceStage
-from swarm.model import KVCache
-from swarm.remote_generate import SwarmGenerator
-from swarm.train import train
-from swarm.transport import tls
-from swarm.transport.tls import Security
+from swarm.core.config import MODEL_PRESETS, CodecConfig, DataConfig, RunConfig, TrainConfig
+from swarm.core.model import KVCache
+from swarm.io import model_io
+from swarm.net import certs, tls
+from swarm.net.tls import Security
+from swarm.runtime.train import train
+from swarm.serve.generate import Sampling, generate_ids, sample
+from swarm.serve.inference import ClientHead, InferenceStage
+from swarm.serve.remote_generate import SwarmGenerator
 from tests.procs import Proc, processes
 
 PROMPT = list(b"To be, or not to be")
@@ -48,7 +48,7 @@ class Servers:
 
 
 def serve(procs: list[Proc], folder: Path, model: Path, name: str, stage: int, *flags: str) -> Proc:
-    args = [sys.executable, "-m", "node.cli", "serve", "--model", str(model), "--stage", str(stage)]
+    args = [sys.executable, "-m", "swarm.node.cli", "serve", "--model", str(model), "--stage", str(stage)]
     args += ["--device", "cpu", *flags]
     procs.append(Proc(args, folder / f"{name}.err"))
     return procs[-1]

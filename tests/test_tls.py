@@ -15,17 +15,16 @@ from pathlib import Path
 import grpc
 import pytest
 from cryptography import x509
+from swarm.coordinator.service import CoordinatorServer, CoordinatorService
+from swarm.node.links import LinkError, PlannedPeer, dial
+from swarm.node.stage_service import StageService
 
-from coordinator.service import CoordinatorServer, CoordinatorService
-from node.links import LinkError, PlannedPeer, dial
-from node.stage_service import StageService
-from swarm import certs
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc, stage_pb2_grpc
-from swarm.metrics import Metrics
-from swarm.transport import tls
-from swarm.transport.frames import PROTOCOL_VERSION
-from swarm.transport.session import session_metadata
-from swarm.transport.tls import NODE_SERVER_NAME, Security
+from swarm.net import certs, tls
+from swarm.net.credentials import session_metadata
+from swarm.net.frames import PROTOCOL_VERSION
+from swarm.net.tls import NODE_SERVER_NAME, Security
+from swarm.ops.metrics import Metrics
 from tests import procs, test_links
 from tests.helpers import tiny_config
 
@@ -256,7 +255,7 @@ def test_clear_text_needs_loopback_or_an_explicit_insecure(pki: Path, caplog, ca
 def test_coordinator_cli_refuses_clear_text_on_a_public_address(tmp_path: Path):
     procs_list: list[procs.Proc] = []
     try:
-        args = [sys.executable, "-m", "coordinator.cli", "serve", "--no-dht", "--metrics-port", "-1"]
+        args = [sys.executable, "-m", "swarm.coordinator.cli", "serve", "--no-dht", "--metrics-port", "-1"]
         args += ["--host", "0.0.0.0", "--state", str(tmp_path / "s.sqlite")]
         procs_list.append(procs.Proc(args, tmp_path / "c.err"))
         assert procs_list[0].wait(30) == 2

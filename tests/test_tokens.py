@@ -13,12 +13,12 @@ from pathlib import Path
 
 import grpc
 import pytest
+from swarm.coordinator.sessions import SessionRefused, Sessions
+from swarm.coordinator.state import CoordinatorState
+from swarm.coordinator.tokens import JoinTokens, token_id
 
-from coordinator.sessions import SessionRefused, Sessions
-from coordinator.state import CoordinatorState
-from coordinator.tokens import JoinTokens, token_id
 from swarm._proto.swarm.v1 import coordinator_pb2
-from swarm.transport.session import session_metadata
+from swarm.net.credentials import session_metadata
 from tests import procs
 from tests.test_coordinator import RPC_TIMEOUT, coordinator, refused, run
 
@@ -112,7 +112,7 @@ def test_heartbeats_renew_the_credential(tmp_path: Path):
 
 
 def token_cli(state: Path, *args: str) -> subprocess.CompletedProcess:
-    argv = [sys.executable, "-m", "coordinator.cli", "token", *args, "--state", str(state)]
+    argv = [sys.executable, "-m", "swarm.coordinator.cli", "token", *args, "--state", str(state)]
     return subprocess.run(argv, capture_output=True, text=True, timeout=60, cwd=procs.ROOT)
 
 

@@ -7,9 +7,9 @@ import dataclasses
 import pytest
 
 from swarm.cli import main
-from swarm.config import MODEL_PRESETS, CodecConfig, RunConfig, TrainConfig
-from swarm.data import load_dataset
-from swarm.train import train
+from swarm.core.config import MODEL_PRESETS, CodecConfig, RunConfig, TrainConfig
+from swarm.io.data import load_dataset
+from swarm.runtime.train import train
 
 
 @pytest.fixture(scope="module")

@@ -21,7 +21,7 @@ from swarm.codecs.lowrank import LowRankFormat
 from swarm.codecs.quant import BlockwiseFormat, RowInt8Format
 from swarm.codecs.rvq import ResidualVQ
 from swarm.codecs.topk import TopKFormat
-from swarm.config import CodecConfig
+from swarm.core.config import CodecConfig
 
 FormatFactory = Callable[[int, CodecConfig, int], TensorFormat]
 

@@ -8,7 +8,7 @@ stage (the residual stream, B x T x d, to coordinates, B x T x w) and
   how the ablation baselines (top-k, blockwise int8/int4, low-rank) are run.
 * :class:`SubspaceMap`: ``(X - E_fixed[tok]) U`` and ``E_fixed[tok] + Z U^T``; exact
   when the model is subspace-constrained.
-* :class:`swarm.mapl.MaplBoundary`: learned per-boundary projection plus anchor.
+* :class:`swarm.core.mapl.MaplBoundary`: learned per-boundary projection plus anchor.
 
 Gradients travel as ``dL/dZ``: for the subspace map that is ``G U``, and the sender's
 ``Z.backward(dL/dZ)`` applies ``G U U^T`` to its residual stream, as the method wants.
@@ -21,7 +21,14 @@ from typing import Protocol
 import torch
 
 from swarm.codecs.base import EncodedTensor, PayloadError, StaleVersionError, TensorFormat
-from swarm.wire import ActivationFrame, GradientFrame, compress, decompress, pack_tokens, unpack_tokens
+from swarm.runtime.wire import (
+    ActivationFrame,
+    GradientFrame,
+    compress,
+    decompress,
+    pack_tokens,
+    unpack_tokens,
+)
 
 
 class BoundaryMap(Protocol):

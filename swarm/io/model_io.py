@@ -33,10 +33,10 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from swarm.config import RunConfig, config_hash
-from swarm.data import BpeTokenizer, ByteTokenizer, Tokenizer, build_tokenizer, load_texts
-from swarm.model import Stage, tensor_digest
-from swarm.worker import StageWorker
+from swarm.core.config import RunConfig, config_hash
+from swarm.core.model import Stage, tensor_digest
+from swarm.io.data import BpeTokenizer, ByteTokenizer, Tokenizer, build_tokenizer, load_texts
+from swarm.runtime.worker import StageWorker
 
 MODEL_FORMAT = 1
 WEIGHTS, RUN, TOKENIZER, MANIFEST = "model.safetensors", "run.json", "tokenizer.json", "manifest.json"
@@ -88,7 +88,7 @@ def consolidate(stage_states: Sequence[dict], mapl_states: Sequence[dict], fixed
 
 
 def from_workers(workers: Sequence[StageWorker], step: int) -> TrainedModel:
-    """The model held by a run's stage workers (e.g. a :class:`~swarm.pipeline.LocalPipeline`'s)."""
+    """The model held by a run's stage workers (e.g. a :class:`~swarm.runtime.pipeline.LocalPipeline`'s)."""
     config = workers[0].config
     tensors = consolidate(
         [w.stage.state_dict() for w in workers],

@@ -27,12 +27,12 @@ from typing import Any
 
 import torch
 
-from swarm.artifacts import digest
 from swarm.codecs.base import PayloadError
 from swarm.codecs.rvq import ResidualVQ
-from swarm.config import config_hash
-from swarm.data import BatchSampler
-from swarm.worker import StageWorker
+from swarm.core.config import config_hash
+from swarm.io.artifacts import digest
+from swarm.io.data import BatchSampler
+from swarm.runtime.worker import StageWorker
 
 SNAPSHOT_FORMAT = 1
 _NAME = re.compile(r"^stage(\d+)-step(\d+)-([0-9a-f]{64})\.snap$")

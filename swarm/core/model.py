@@ -21,7 +21,7 @@ holds exactly, by construction, after any number of steps of *any* optimizer (Ad
 Muon, hivemind's averaged optimizers) with no projection fighting its state; and the
 parameters, their gradients and the optimizer state shrink from ``in x d`` to
 ``in x k``. A subspace rotation re-expresses ``W'`` in the new basis
-(:func:`swarm.subspace.rotate_stage`).
+(:func:`swarm.core.subspace.rotate_stage`).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from swarm.config import ModelConfig
+from swarm.core.config import ModelConfig
 
 
 class RMSNorm(nn.Module):

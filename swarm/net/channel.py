@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from swarm.transport.tls import INSECURE, Security
+from swarm.net.tls import INSECURE, Security
 
 MAX_MESSAGE_BYTES = 64 << 20
 

@@ -1,7 +1,7 @@
 """Text from a trained model: greedy or nucleus sampling, with a KV cache.
 
 ``swarm generate --model DIR --prompt TEXT`` samples from a model folder
-(:mod:`swarm.model_io`). With temperature 0 it is greedy and deterministic; otherwise
+(:mod:`swarm.io.model_io`). With temperature 0 it is greedy and deterministic; otherwise
 tokens are drawn (temperature, top-p) from a generator seeded by ``seed``, so the same
 call gives the same text. The KV-cached path (default) feeds one token per step after
 the prompt; the uncached path recomputes the whole sequence each step and gives the
@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
-from swarm.model import KVCache, Stage
-from swarm.model_io import TrainedModel
+from swarm.core.model import KVCache, Stage
+from swarm.io.model_io import TrainedModel
 
 
 @dataclass(frozen=True)

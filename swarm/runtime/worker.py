@@ -1,9 +1,9 @@
 """One pipeline stage at work: its layers, its two boundary codecs, its optimizer.
 
 :class:`StageWorker` is the unit a node hosts and the single-process pipeline strings
-together. Per microbatch it turns an incoming :class:`~swarm.wire.ActivationFrame`
+together. Per microbatch it turns an incoming :class:`~swarm.runtime.wire.ActivationFrame`
 (or the token ids, on stage 0) into an outgoing frame (or the loss, on the last stage),
-and an incoming :class:`~swarm.wire.GradientFrame` into the one it sends upstream. Every
+and an incoming :class:`~swarm.runtime.wire.GradientFrame` into the one it sends upstream. Every
 boundary crossing is a real encode -> bytes -> decode. At the end of a step the
 worker exchanges what its boundary neighbours need (MAPL gradient shares, RVQ codebook
 deltas), steps its optimizer, and applies subspace rotations at their announced step.
@@ -20,14 +20,15 @@ from swarm.codecs import make_format
 from swarm.codecs.base import PayloadError
 from swarm.codecs.boundary import BoundaryCodec, IdentityMap, SubspaceMap
 from swarm.codecs.rvq import ResidualVQ
-from swarm.config import RunConfig, stage_layer_ranges
-from swarm.emulation import EmulatedStage, load_profile
-from swarm.mapl import MaplBoundary, boundary_gradients, set_boundary_gradients
-from swarm.model import Stage, name_seed
-from swarm.norm_guard import NormBound, NormGuard
-from swarm.optim import build_optimizer
-from swarm.subspace import BoundaryStatistic, SubspaceRotation, rotate_stage
-from swarm.wire import ActivationFrame, GradientFrame
+from swarm.core.config import RunConfig, stage_layer_ranges
+from swarm.core.mapl import MaplBoundary, boundary_gradients, set_boundary_gradients
+from swarm.core.model import Stage, name_seed
+from swarm.core.optim import build_optimizer
+from swarm.core.profiles import load_profile
+from swarm.core.subspace import BoundaryStatistic, SubspaceRotation, rotate_stage
+from swarm.runtime.emulation import EmulatedStage
+from swarm.runtime.norm_guard import NormBound, NormGuard
+from swarm.runtime.wire import ActivationFrame, GradientFrame
 
 
 def _build_stage(

@@ -3,7 +3,7 @@
 Each process owns one :class:`Metrics` with its own registry (so several can live in
 one test process) and serves it with :meth:`Metrics.serve` on ``--metrics-host``/
 ``--metrics-port``. The same HTTP server answers ``/healthz`` (liveness) and, on the
-coordinator, ``/status`` (the run as JSON for dashboards; see :mod:`swarm.status`).
+coordinator, ``/status`` (the run as JSON for dashboards; see :mod:`swarm.ops.status`).
 """
 
 from __future__ import annotations

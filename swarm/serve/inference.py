@@ -1,7 +1,7 @@
 """One pipeline stage of a trained model, serving generation sessions (see ``inference.proto``).
 
 :class:`InferenceStage` runs the stage's layers on the new positions of a session with
-its :class:`~swarm.model.KVCache`: token ids in on the first stage, a boundary frame in
+its :class:`~swarm.core.model.KVCache`: token ids in on the first stage, a boundary frame in
 on the others; a boundary frame out (the same codecs as training: ``subspace`` sends k
 coordinates per token, ``dense`` the full residual stream). The last stage sends its
 output frame too: the client applies the final norm and LM head itself
@@ -21,11 +21,11 @@ import torch.nn.functional as F
 from swarm.codecs import make_format
 from swarm.codecs.base import PayloadError
 from swarm.codecs.boundary import BoundaryCodec, IdentityMap, SubspaceMap
-from swarm.config import stage_layer_ranges
-from swarm.generate import refuse_mapl
-from swarm.model import KVCache, RMSNorm
-from swarm.model_io import TrainedModel
-from swarm.wire import ActivationFrame
+from swarm.core.config import stage_layer_ranges
+from swarm.core.model import KVCache, RMSNorm
+from swarm.io.model_io import TrainedModel
+from swarm.runtime.wire import ActivationFrame
+from swarm.serve.generate import refuse_mapl
 
 BOUNDARIES = ("subspace", "dense")
 FORMATS = ("fp32", "bf16", "int8_row")

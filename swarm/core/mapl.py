@@ -8,7 +8,7 @@ receiver rebuilds ``X_hat = Z A_p^T + offset``. This is lossy: the model learns 
 in the space the boundary keeps. Autograd through both maps is exact for the compressed
 model, and each side's copy gets its own share of the gradient of ``A_p`` and of the
 anchor; :func:`boundary_gradients` / :func:`set_boundary_gradients` let the runtime sum
-them so both copies take the identical step (see :class:`swarm.optim.StiefelSGD`).
+them so both copies take the identical step (see :class:`swarm.core.optim.StiefelSGD`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 from torch import nn
 
 from swarm.codecs.base import PayloadError, check_finite
-from swarm.model import name_seed
-from swarm.subspace import random_basis
+from swarm.core.model import name_seed
+from swarm.core.subspace import random_basis
 
 
 class MaplBoundary(nn.Module):

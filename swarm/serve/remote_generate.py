@@ -3,8 +3,8 @@
 The client keeps one session per stage (a gRPC stream to one server of that stage),
 sends each step's new tokens to stage 0 and relays every stage's output frame, unchanged,
 to the next stage; the last stage's frame goes through the client's own final norm and
-LM head (:class:`~swarm.inference.ClientHead`), and sampling happens here
-(:func:`swarm.generate.sample`, so local and swarm generation pick tokens identically).
+LM head (:class:`~swarm.serve.inference.ClientHead`), and sampling happens here
+(:func:`swarm.serve.generate.sample`, so local and swarm generation pick tokens identically).
 Each stage's inputs are kept: when a server fails (a dead process, a broken stream), the
 client opens a session on the next server of that stage, replays the inputs so its KV
 cache is rebuilt exactly, and goes on (Petals' history replay).
@@ -21,12 +21,12 @@ import grpc
 import torch
 
 from swarm._proto.swarm.v1 import inference_pb2, inference_pb2_grpc
-from swarm.generate import Sampling, check_prompt, sample
-from swarm.inference import ClientHead
-from swarm.model_io import TrainedModel
-from swarm.transport.channel import channel_options
-from swarm.transport.frames import activation_from_proto
-from swarm.transport.tls import INSECURE, NODE_SERVER_NAME, Security
+from swarm.io.model_io import TrainedModel
+from swarm.net.channel import channel_options
+from swarm.net.frames import activation_from_proto
+from swarm.net.tls import INSECURE, NODE_SERVER_NAME, Security
+from swarm.serve.generate import Sampling, check_prompt, sample
+from swarm.serve.inference import ClientHead
 
 REFUSED = (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION)  # our request is wrong
 

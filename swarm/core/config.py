@@ -14,9 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-import torch
-
-from swarm.emulation import check_emulable, load_profile
+from swarm.core.profiles import load_profile
 
 Compression = Literal["none", "subspace", "mapl"]
 
@@ -169,7 +167,7 @@ SCHEDULES = ("gpipe", "1f1b")
 @dataclass
 class EmulationConfig:
     """Benchmarks only: replace every stage's layers by waits from a compute profile
-    (:mod:`swarm.emulation`; a bundled profile's name or a JSON path). Empty: real compute.
+    (:mod:`swarm.runtime.emulation`; a bundled profile's name or a JSON path). Empty: real compute.
     ``slow_stage`` (-1: none) computes ``slowdown`` times as long as it does (the extra time is
     a wait, so replicas of it on one machine still add capacity): a bottleneck stage on demand."""
 
@@ -219,7 +217,7 @@ class RunConfig:
             )
         if self.emulation.profile:
             load_profile(self.emulation.profile)
-            check_emulable(self)
+            self._check_emulable()
 
     def _check_replicas(self) -> None:
         t, c = self.train, self.codec
@@ -233,6 +231,15 @@ class RunConfig:
                 "train.replicas > 1 needs boundary codecs without per-boundary learned state: "
                 "codec kind 'identity' or 'subspace' with a format other than 'rvq'"
             )
+
+    def _check_emulable(self) -> None:
+        """Raise ``ValueError`` for what an emulated run cannot do (it has no weights to train)."""
+        if self.codec.kind == "mapl":
+            raise ValueError("compute emulation cannot run MAPL: its boundary projections are trained")
+        if self.rotation.interval and self.model.constrained:
+            raise ValueError("compute emulation has no weights to rotate: set rotation.interval = 0")
+        if self.checkpoint.interval:
+            raise ValueError("compute emulation has no weights to snapshot: set checkpoint.interval = 0")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -308,10 +315,3 @@ def stage_layer_ranges(n_layers: int, n_stages: int) -> list[tuple[int, int]]:
         ranges.append((start, end))
         start = end
     return ranges
-
-
-def pick_device(preference: str = "auto") -> torch.device:
-    """``auto`` picks CUDA when present, else CPU; any explicit torch device string is honoured."""
-    if preference == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(preference)

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import torch
 
 from swarm.codecs.base import PayloadError
-from swarm.config import RunConfig
-from swarm.model import ResidualWrite, Stage, fixed_embedding, name_seed
+from swarm.core.config import RunConfig
+from swarm.core.model import ResidualWrite, Stage, fixed_embedding, name_seed
 
 
 def random_basis(d: int, k: int, seed: int) -> torch.Tensor:

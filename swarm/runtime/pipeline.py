@@ -11,11 +11,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from swarm.config import RunConfig
-from swarm.mapl import pack_gradients, sum_gradients
-from swarm.norm_guard import NormBound
-from swarm.subspace import SubspaceRotation, initial_artifacts, next_rotation
-from swarm.worker import StageStats, StageWorker
+from swarm.core.config import RunConfig
+from swarm.core.mapl import pack_gradients, sum_gradients
+from swarm.core.subspace import SubspaceRotation, initial_artifacts, next_rotation
+from swarm.runtime.norm_guard import NormBound
+from swarm.runtime.worker import StageStats, StageWorker
 
 
 @dataclass

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from swarm.generate import refuse_mapl
-from swarm.model_io import TrainedModel
+from swarm.io.model_io import TrainedModel
+from swarm.serve.generate import refuse_mapl
 
 
 def interleaved_to_half(w: torch.Tensor, n_heads: int) -> torch.Tensor:

@@ -40,7 +40,7 @@ from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, as_aiter
 
-from swarm.norm_guard import root_mean_square
+from swarm.runtime.norm_guard import root_mean_square
 
 POISON_FACTOR = 100.0  # a part whose RMS exceeds this many times our own part of the slice is refused
 JOIN_WAIT_S = 10.0  # a stream for a round this replica has not started yet waits this long for it

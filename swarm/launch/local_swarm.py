@@ -12,7 +12,7 @@ coordinator started behind a prefix may be unreachable from here, so the launche
 also starts a :func:`relay` behind the same prefix, from a Unix socket (the file
 system is shared across network namespaces) to the coordinator, and polls through it.
 
-With ``chaos_s`` a :class:`~swarm.chaos.ChaosMonkey` ``kill -9``s a random stage-hosting
+With ``chaos_s`` a :class:`~swarm.launch.chaos.ChaosMonkey` ``kill -9``s a random stage-hosting
 node every ``chaos_s`` seconds and starts a fresh node in its place (a volunteer coming
 back), so the run keeps its standbys; the summary reports what each kill cost.
 """
@@ -38,11 +38,11 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
-from swarm.chaos import ChaosMonkey
-from swarm.transport.tls import INSECURE, Security, cli_flags
+from swarm.launch.chaos import ChaosMonkey
+from swarm.net.tls import INSECURE, Security, cli_flags
 
 if TYPE_CHECKING:  # not imported at run time: the relay process starts without torch
-    from swarm.config import RunConfig
+    from swarm.core.config import RunConfig
 
 LISTENING = re.compile(r"coordinator listening on (\S+)")
 RELAYING = re.compile(r"relay listening on (\S+)")
@@ -203,7 +203,7 @@ def up(
     security, flags = _transport_security(run, tls, coordinator_host, node_host is not None)
     try:
         coord_lines: list[str] = []
-        coord_args = [*(coordinator_prefix or []), py, "-m", "coordinator.cli", "serve"]
+        coord_args = [*(coordinator_prefix or []), py, "-m", "swarm.coordinator.cli", "serve"]
         coord_args += ["--config", str(run / "run.toml"), "--port", "0", "--state", str(state_path)]
         coord_metrics = -1 if metrics_base_port is None else metrics_base_port
         coord_args += [
@@ -222,7 +222,14 @@ def up(
         status_address = address
         if coordinator_prefix:
             relay_lines: list[str] = []
-            relay_args = [*coordinator_prefix, py, "-m", "swarm.local_swarm", "relay", str(status_socket)]
+            relay_args = [
+                *coordinator_prefix,
+                py,
+                "-m",
+                "swarm.launch.local_swarm",
+                "relay",
+                str(status_socket),
+            ]
             relay_args.append(address)
             relay_proc = group.start(relay_args, run / "relay.err")
             tee(relay_proc, run / "relay.log", relay_lines)
@@ -230,7 +237,7 @@ def up(
         node_procs, logs = [], []
 
         def start_node(i: int) -> None:
-            args = [*(launch_prefix(i) if launch_prefix else []), py, "-m", "node.cli", "join"]
+            args = [*(launch_prefix(i) if launch_prefix else []), py, "-m", "swarm.node.cli", "join"]
             args += ["--coordinator", address]
             args += ["--listen", f"{node_host(i)}:0"] if node_host else []
             args += [
@@ -343,7 +350,7 @@ def _transport_security(
     if not tls:
         insecure = ["--insecure"] if coordinator_host or remote_nodes else []
         return INSECURE, lambda name: insecure
-    from swarm import certs
+    from swarm.net import certs
 
     folder = run / "certs"
     shutil.rmtree(folder, ignore_errors=True)
@@ -438,7 +445,7 @@ def _summary(config: RunConfig, steps: list, seconds: float, logs: list[Path]) -
     )
 
 
-if __name__ == "__main__":  # python -m swarm.local_swarm relay SOCKET HOST:PORT (see up)
+if __name__ == "__main__":  # python -m swarm.launch.local_swarm relay SOCKET HOST:PORT (see up)
     if len(sys.argv) != 4 or sys.argv[1] != "relay":
-        sys.exit("usage: python -m swarm.local_swarm relay SOCKET HOST:PORT")
+        sys.exit("usage: python -m swarm.launch.local_swarm relay SOCKET HOST:PORT")
     asyncio.run(relay(sys.argv[2], sys.argv[3]))

@@ -17,8 +17,8 @@ from google.protobuf.message import DecodeError
 
 from swarm._proto.swarm.v1 import common_pb2, stage_pb2
 from swarm.codecs.base import EncodedTensor, PayloadError, check_shape
-from swarm.subspace import SubspaceRotation
-from swarm.wire import ActivationFrame, GradientFrame
+from swarm.core.subspace import SubspaceRotation
+from swarm.runtime.wire import ActivationFrame, GradientFrame
 
 PROTOCOL_VERSION: int = common_pb2.PROTOCOL_VERSION_CURRENT
 

@@ -11,10 +11,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from swarm import model_io
-from swarm.config import RunConfig, pick_device
-from swarm.data import BatchSampler, TokenDataset, ValidationBatches, batch_ids, load_dataset
-from swarm.pipeline import LocalPipeline
+from swarm.core.config import RunConfig
+from swarm.core.device import pick_device
+from swarm.io import model_io
+from swarm.io.data import BatchSampler, TokenDataset, ValidationBatches, batch_ids, load_dataset
+from swarm.runtime.pipeline import LocalPipeline
 
 
 @dataclass

@@ -2,7 +2,7 @@
 
 ``init`` creates ``ca.pem``/``ca.key`` and ``coordinator.pem``/``coordinator.key`` naming the
 coordinator's hosts; ``issue NAME`` signs ``NAME.pem``/``NAME.key`` for a node (it names
-``swarm-node``, see :mod:`swarm.transport.tls`, plus any host given). Keys are ECDSA P-256,
+``swarm-node``, see :mod:`swarm.net.tls`, plus any host given). Keys are ECDSA P-256,
 written mode 0600; every certificate serves as both server and client certificate (mutual TLS).
 Nothing is overwritten: an existing file is an error.
 """
@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
-from swarm.transport.tls import NODE_SERVER_NAME
+from swarm.net.tls import NODE_SERVER_NAME
 
 CA_DAYS = 3650
 LEAF_DAYS = 825

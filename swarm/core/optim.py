@@ -1,7 +1,7 @@
 """Optimizers of a stage: AdamW for Euclidean parameters, a Riemannian step for Stiefel ones.
 
 The subspace constraint needs no special optimizer (it is a reparametrisation, see
-:mod:`swarm.model`). MAPL projections must stay orthonormal: :class:`StiefelSGD` takes
+:mod:`swarm.core.model`). MAPL projections must stay orthonormal: :class:`StiefelSGD` takes
 the Riemannian gradient ``xi = G - A sym(A^T G)``, keeps a momentum in the tangent
 space, and retracts with a sign-fixed QR, so ``A^T A = I`` holds after every step.
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from swarm.config import TrainConfig
+from swarm.core.config import TrainConfig
 
 
 def tangent_projection(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:

@@ -17,77 +17,16 @@ rotations, snapshots and MAPL (whose boundary state is trained).
 
 from __future__ import annotations
 
-import json
-import math
 import time
-from dataclasses import asdict, dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
+from swarm.core.profiles import ComputeProfile
+
 if TYPE_CHECKING:
-    from swarm.config import RunConfig
-
-PROFILE_DIR = Path(__file__).parent / "profiles"
-
-
-@dataclass(frozen=True)
-class ComputeProfile:
-    """One device's compute time per token for one transformer layer of a model preset."""
-
-    name: str
-    model: str  # the preset the times were measured (or derived) for
-    device: str
-    source: str  # where the numbers come from: a measurement command, or a derivation
-    forward_us_per_token_layer: float
-    backward_us_per_token_layer: float
-    seq_len: int  # the sequence length the times hold for (attention grows with it)
-
-    def __post_init__(self) -> None:
-        for name in ("forward_us_per_token_layer", "backward_us_per_token_layer"):
-            value = getattr(self, name)
-            if not (math.isfinite(value) and value >= 0):
-                raise ValueError(f"compute profile {self.name!r}: {name}={value} must be a finite time >= 0")
-
-    def stage_seconds(self, layers: int, tokens: int) -> tuple[float, float]:
-        """Forward and backward seconds of ``layers`` layers on ``tokens`` tokens."""
-        scale = layers * tokens * 1e-6
-        return self.forward_us_per_token_layer * scale, self.backward_us_per_token_layer * scale
-
-    def tokens_per_second(self, layers: int) -> float:
-        """The rate of a stage of ``layers`` layers doing forward and backward, with nothing else."""
-        per_token = (self.forward_us_per_token_layer + self.backward_us_per_token_layer) * 1e-6 * layers
-        return 1.0 / per_token if per_token > 0 else math.inf
-
-    def save(self, path: str | Path) -> None:
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
-
-
-def load_profile(name_or_path: str) -> ComputeProfile:
-    """A bundled profile by name (``swarm/profiles/NAME.json``) or a JSON file by path."""
-    path = Path(name_or_path)
-    if not path.is_file():
-        path = PROFILE_DIR / f"{name_or_path}.json"
-    if not path.is_file():
-        bundled = sorted(p.stem for p in PROFILE_DIR.glob("*.json"))
-        raise ValueError(f"no compute profile {name_or_path!r}: not a file, nor one of {bundled}")
-    fields = json.loads(path.read_text())
-    try:
-        return ComputeProfile(**fields)
-    except TypeError as e:
-        raise ValueError(f"compute profile {path}: {e}") from None
-
-
-def check_emulable(config: RunConfig) -> None:
-    """Raise ``ValueError`` for what an emulated run cannot do (it has no weights to train)."""
-    if config.codec.kind == "mapl":
-        raise ValueError("compute emulation cannot run MAPL: its boundary projections are trained")
-    if config.rotation.interval and config.model.constrained:
-        raise ValueError("compute emulation has no weights to rotate: set rotation.interval = 0")
-    if config.checkpoint.interval:
-        raise ValueError("compute emulation has no weights to snapshot: set checkpoint.interval = 0")
+    from swarm.core.config import RunConfig
 
 
 class _Wait(torch.autograd.Function):
@@ -108,7 +47,7 @@ class _Wait(torch.autograd.Function):
 
 
 class EmulatedStage(nn.Module):
-    """Stands in for :class:`swarm.model.Stage`: same attributes and calling convention, no layers."""
+    """Stands in for :class:`swarm.core.model.Stage`: same attributes and calling convention, no layers."""
 
     def __init__(
         self,

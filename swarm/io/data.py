@@ -31,7 +31,7 @@ import tokenizers
 import torch
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
-from swarm.config import RunConfig
+from swarm.core.config import RunConfig
 
 CACHE_ENV = "SWARM_CACHE_DIR"
 DEFAULT_CACHE_DIR = Path("~/.cache/subspace-swarm")

@@ -1,0 +1,1 @@
+"""What operators see: Prometheus metrics, the status document and table, process logs."""

@@ -1,0 +1,1 @@
+"""Inference: one stage serving generation sessions, local generation, generation through a swarm."""
