@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench import quality_report
+
 
 def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
     """``columns``: (header, key, format spec)."""
@@ -124,6 +126,7 @@ def markdown(r: dict) -> str:
         *_generation_section(r),
         *_averaging_section(r),
         *_replicas_section(r),
+        *quality_report.section(r),
         f"Section times (s): {', '.join(f'{k} {v:.0f}' for k, v in r['seconds'].items())}.",
     ]
     return "\n".join(out) + "\n"
@@ -386,3 +389,4 @@ def plots(r: dict, out: Path) -> None:
     fig.tight_layout()
     fig.savefig(out / "throughput.png", dpi=120)
     plt.close(fig)
+    quality_report.plots(r, out)

@@ -28,6 +28,7 @@ from bench import (
     overhead,
     paper_scale,
     peer,
+    quality,
     replicas,
     report,
     throughput,
@@ -62,6 +63,7 @@ class BenchPlan:
     paper_scale: paper_scale.PaperScalePlan | None = None
     averaging: averaging.AveragingPlan | None = None
     replicas: replicas.ReplicaPlan | None = None
+    quality: quality.QualityPlan | None = None
 
 
 def plan(quick: bool) -> BenchPlan:
@@ -103,6 +105,16 @@ def plan(quick: bool) -> BenchPlan:
             averaging=averaging.AveragingPlan(tiny, n_stages=2, rounds=1),
             replicas=replicas.ReplicaPlan(
                 tiny, TrainConfig(steps=8, batch_size=8, seq_len=32, microbatches=4), counts=(1, 2)
+            ),
+            quality=quality.QualityPlan(
+                tiny,
+                TrainConfig(steps=20, batch_size=4, seq_len=32, microbatches=2, lr=1e-2, eval_every=5),
+                n_stages=2,
+                variants=["dense bf16", "subspace k=8", "subspace k=1 + full-rank last stage"],
+                links=[Link("80 Mbit/s, 50 ms RTT", 80, 25)],
+                eval_batches=2,
+                timing_train=TrainConfig(steps=4, batch_size=4, seq_len=32, microbatches=2),
+                shaper="transport",
             ),
         )
     small = MODEL_PRESETS["small"]
@@ -154,6 +166,16 @@ def plan(quick: bool) -> BenchPlan:
         averaging=averaging.AveragingPlan(small, n_stages=4),
         replicas=replicas.ReplicaPlan(
             MODEL_PRESETS["tiny"], TrainConfig(steps=40, batch_size=12, seq_len=64, microbatches=6)
+        ),
+        quality=quality.QualityPlan(
+            small,
+            TrainConfig(
+                steps=1000, batch_size=8, seq_len=128, microbatches=2, lr=3e-3, warmup_steps=20, eval_every=50
+            ),
+            n_stages=4,
+            variants=[v.name for v in quality.variants(small, 4)],
+            links=[Link("80 Mbit/s, 50 ms RTT", 80, 25), Link("200 Mbit/s, 50 ms RTT", 200, 25)],
+            timing_train=TrainConfig(steps=8, batch_size=8, seq_len=128, microbatches=2),
         ),
     )
 
@@ -225,6 +247,8 @@ def sections(p: BenchPlan, quick: bool) -> dict[str, Callable[[], object]]:
         out["averaging"] = lambda: averaging.run(p.averaging)
     if p.replicas is not None:
         out["replicas"] = lambda: replicas.run(p.replicas)
+    if p.quality is not None:
+        out["quality"] = lambda: _quality(p.quality)
     return out
 
 
@@ -238,6 +262,11 @@ def _paper_scale(p: BenchPlan) -> dict:
     ps = p.paper_scale
     cases = _pick(_cases(ps.model), ps.codecs)
     return paper_scale.run(ps, cases, shaper=p.shaper)
+
+
+def _quality(q: quality.QualityPlan) -> dict:
+    """Every quality variant on the benchmark corpus (loaded once)."""
+    return quality.run(q, load_dataset(RunConfig(model=q.model, train=q.train, n_stages=1)))
 
 
 def _multihost(p: BenchPlan) -> list[dict] | dict:

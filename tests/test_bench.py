@@ -49,6 +49,20 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     assert one["averaging_bytes_per_replica_step"] == 0 < two["averaging_bytes_per_replica_step"]
     assert one["boundary_bytes_per_step"] == two["boundary_bytes_per_step"]  # routing adds no bytes
     assert "## Replicas of the slowest stage" in report
+    quality = results["quality"]
+    dense, *others = quality["rows"]
+    assert dense["variant"] == "dense bf16" and dense["targets"]["1.0"]["steps_vs_dense"] == 1.0
+    for row in quality["rows"]:
+        assert row["val_curve"][0][0] == 0 and row["val_curve"][-1][0] == 20  # evaluated from start to end
+        assert set(row["targets"]) == {"0.25", "0.5", "1.0"} and row["gap_trend"] in (
+            "shrinking",
+            "steady",
+            "growing",
+        )
+        assert row["step_seconds"]["80 Mbit/s, 50 ms RTT"] > 0
+    assert all(row["compression_vs_dense_bf16"] > 4 for row in others)
+    assert "## Quality at high compression" in report and "| off-subspace @end |" in report
+    assert (tmp_path / "quality.png").stat().st_size > 0
     if available()[0]:  # the recipe on emulated hosts, subspace next to dense
         dense, subspace = results["multihost"]
         assert dense["steps"] == subspace["steps"] == 8

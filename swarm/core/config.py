@@ -27,7 +27,9 @@ class ModelConfig:
     writes to the residual stream has its rows in one shared ``k``-dimensional subspace,
     and the token embedding is a frozen full-rank part plus a trainable part in it.
     ``constrain_writes=False`` keeps the basis (for the subspace codec) but leaves the
-    model dense: the ablation that shows what the constraint buys.
+    model dense: the ablation that shows what the constraint buys. ``full_rank_layers = n``
+    frees the last ``n`` layers' writes (exact as long as they all sit in the last stage, whose
+    output never crosses a boundary: :class:`RunConfig` checks it).
     """
 
     vocab_size: int = 4096
@@ -41,12 +43,17 @@ class ModelConfig:
     init_std: float = 0.02
     subspace_rank: int = 32
     constrain_writes: bool = True
+    full_rank_layers: int = 0
 
     def __post_init__(self) -> None:
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ValueError(f"d_model={self.d_model} must split into {self.n_heads} heads of even size")
         if not 0 <= self.subspace_rank <= self.d_model:
             raise ValueError(f"subspace_rank={self.subspace_rank} must lie in [0, d_model={self.d_model}]")
+        if not 0 <= self.full_rank_layers <= self.n_layers:
+            raise ValueError(
+                f"full_rank_layers={self.full_rank_layers} must lie in [0, n_layers={self.n_layers}]"
+            )
 
     @property
     def head_dim(self) -> int:
@@ -56,6 +63,12 @@ class ModelConfig:
     def constrained(self) -> bool:
         """Whether residual writes are restricted to the subspace (else ``U`` only serves the codec)."""
         return self.subspace_rank > 0 and self.constrain_writes
+
+    def write_rank(self, layer: int) -> int:
+        """The rank of layer ``layer``'s residual writes: ``k`` under the constraint, 0 (full) otherwise
+        and for the last ``full_rank_layers`` layers, whose writes never cross a stage boundary."""
+        constrained = self.constrained and layer < self.n_layers - self.full_rank_layers
+        return self.subspace_rank if constrained else 0
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
@@ -211,6 +224,13 @@ class RunConfig:
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
         self._check_replicas()
+        last_start, _ = stage_layer_ranges(self.model.n_layers, self.n_stages)[-1]
+        if self.model.full_rank_layers > self.model.n_layers - last_start:
+            raise ValueError(
+                f"model.full_rank_layers={self.model.full_rank_layers} exceeds the "
+                f"{self.model.n_layers - last_start} layers of the last stage: "
+                "earlier stages' writes cross a boundary"
+            )
         if self.emulation.slow_stage >= self.n_stages:
             raise ValueError(
                 f"emulation.slow_stage={self.emulation.slow_stage} is not a stage of {self.n_stages}"

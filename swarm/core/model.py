@@ -14,7 +14,8 @@ Subspace Networks enter in exactly two places:
   every stage holds, plus a trainable part in the subspace.
 
 So ``X - E_fixed[tok]`` lies in ``col(U)`` at every layer, which is what lets a stage
-boundary send ``k`` coordinates per token instead of ``d``.
+boundary send ``k`` coordinates per token instead of ``d``. The last stage's output never
+crosses a boundary, so its layers may write at full rank (``ModelConfig.full_rank_layers``).
 
 Why a reparametrisation and not a row-wise AdamW on full ``W``: the constraint then
 holds exactly, by construction, after any number of steps of *any* optimizer (AdamW,
@@ -60,23 +61,21 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return out.flatten(-2)
 
 
-def _write_rank(config: ModelConfig) -> int:
-    return config.subspace_rank if config.constrained else 0
-
-
 class ResidualWrite(nn.Module):
     """A linear map into the residual stream, ``in -> d``; rows in ``col(U)`` when a basis is given.
 
-    With ``rank > 0`` the weight is ``W'`` (k x in) and the output is ``(h W'^T) U^T``.
+    With ``rank > 0`` the weight is ``W'`` (k x in) and the output is ``(h W'^T) U^T``; with
+    ``rank = 0`` it is a plain ``d x in`` weight and the basis is ignored.
     """
 
     def __init__(self, d_in: int, d_model: int, rank: int):
         super().__init__()
+        self.rank = rank
         self.weight = nn.Parameter(torch.empty(rank or d_model, d_in))
 
     def forward(self, h: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
         y = F.linear(h, self.weight)
-        return y if basis is None else y @ basis.T
+        return y @ basis.T if self.rank and basis is not None else y
 
 
 class LayerCache:
@@ -105,11 +104,11 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, write_rank: int):
         super().__init__()
         self.n_heads, self.head_dim = config.n_heads, config.head_dim
         self.qkv = nn.Linear(config.d_model, 3 * config.d_model, bias=False)
-        self.out = ResidualWrite(config.d_model, config.d_model, _write_rank(config))
+        self.out = ResidualWrite(config.d_model, config.d_model, write_rank)
 
     def forward(
         self,
@@ -135,10 +134,10 @@ class Attention(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, write_rank: int):
         super().__init__()
         self.gate_up = nn.Linear(config.d_model, 2 * config.d_ff, bias=False)
-        self.down = ResidualWrite(config.d_ff, config.d_model, _write_rank(config))
+        self.down = ResidualWrite(config.d_ff, config.d_model, write_rank)
 
     def forward(self, x: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
         gate, up = self.gate_up(x).chunk(2, dim=-1)
@@ -146,12 +145,15 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, config: ModelConfig):
+    """Layer ``layer`` of the model (its index decides whether its writes are constrained)."""
+
+    def __init__(self, config: ModelConfig, layer: int):
         super().__init__()
+        rank = config.write_rank(layer)
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.attn = Attention(config)
+        self.attn = Attention(config, rank)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
-        self.mlp = SwiGLU(config)
+        self.mlp = SwiGLU(config, rank)
 
     def forward(
         self,
@@ -174,7 +176,8 @@ class TokenEmbedding(nn.Module):
 
     def __init__(self, config: ModelConfig):
         super().__init__()
-        self.low = nn.Parameter(torch.zeros(config.vocab_size, _write_rank(config) or config.d_model))
+        rank = config.subspace_rank if config.constrained else 0
+        self.low = nn.Parameter(torch.zeros(config.vocab_size, rank or config.d_model))
 
     def forward(self, tokens: torch.Tensor, fixed: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
         low = F.embedding(tokens, self.low)
@@ -215,7 +218,7 @@ class Stage(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self.embed = TokenEmbedding(config) if self.is_first else None
-        self.layers = nn.ModuleDict({str(i): Block(config) for i in range(start, end)})
+        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(start, end)})
         self.norm = RMSNorm(config.d_model, config.norm_eps) if self.is_last else None
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False) if self.is_last else None
         init_parameters(self, seed)

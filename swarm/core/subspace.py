@@ -163,7 +163,7 @@ def rotate_stage(
     r_sq = r * r
     state = optimizer.state if optimizer is not None else {}
     for module in stage.modules():
-        if isinstance(module, ResidualWrite):
+        if isinstance(module, ResidualWrite) and module.rank:
             module.weight.copy_(r.T @ module.weight)
             if module.weight in state:
                 _rotate_adam_state(state[module.weight], lambda m: r.T @ m, lambda v: r_sq.T @ v)

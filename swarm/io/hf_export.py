@@ -38,8 +38,8 @@ def llama_state_dict(trained: TrainedModel) -> dict[str, torch.Tensor]:
     m, t = trained.config.model, trained.tensors
     basis = t.get("basis")
 
-    def residual_write(name: str) -> torch.Tensor:
-        return t[name] if basis is None else basis @ t[name]
+    def residual_write(name: str, layer: int) -> torch.Tensor:
+        return basis @ t[name] if m.write_rank(layer) else t[name]
 
     embed = t["fixed_embedding"] + (t["embed.low"] if basis is None else t["embed.low"] @ basis.T)
     out = {
@@ -56,11 +56,11 @@ def llama_state_dict(trained: TrainedModel) -> dict[str, torch.Tensor]:
             dst + "self_attn.q_proj.weight": interleaved_to_half(q, m.n_heads),
             dst + "self_attn.k_proj.weight": interleaved_to_half(k, m.n_heads),
             dst + "self_attn.v_proj.weight": v,
-            dst + "self_attn.o_proj.weight": residual_write(src + "attn.out.weight"),
+            dst + "self_attn.o_proj.weight": residual_write(src + "attn.out.weight", i),
             dst + "post_attention_layernorm.weight": t[src + "mlp_norm.weight"],
             dst + "mlp.gate_proj.weight": gate,
             dst + "mlp.up_proj.weight": up,
-            dst + "mlp.down_proj.weight": residual_write(src + "mlp.down.weight"),
+            dst + "mlp.down_proj.weight": residual_write(src + "mlp.down.weight", i),
         }
     return {k: v.contiguous().clone() for k, v in out.items()}
 

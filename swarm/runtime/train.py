@@ -28,6 +28,10 @@ class TrainSummary:
     initial_val_loss: float
     final_val_loss: float
     losses: list[float] = field(default_factory=list)
+    # (steps done, validation loss) every ``train.eval_every`` steps, from (0, initial) to the end
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    # (steps done, ||(I-P)G|| / ||G|| of the boundary gradients since the previous evaluation)
+    off_subspace: list[tuple[int, float]] = field(default_factory=list)
     wire_bytes_per_token: float = 0.0
     dense_bytes_per_token: float = 0.0
 
@@ -55,16 +59,21 @@ def train(
     dataset: TokenDataset | None = None,
     progress: bool = True,
     out_dir: str | Path | None = None,
+    eval_batches: int = 4,
 ) -> TrainSummary:
-    """Train ``config.train.steps`` steps on the run's corpus; with ``out_dir``, write ``summary.json``
+    """Train ``config.train.steps`` steps on the run's corpus, evaluating on ``eval_batches``
+    validation batches every ``train.eval_every`` steps; with ``out_dir``, write ``summary.json``
     and the trained model to ``out_dir/model`` (the format a swarm's coordinator exports)."""
     dev = pick_device(device)
     torch.manual_seed(config.train.seed)
     dataset = dataset or load_dataset(config)
     sampler = BatchSampler(dataset.train, config.train.batch_size, config.train.seq_len, config.train.seed)
     pipe = LocalPipeline(config, device=dev)
-    initial = evaluate(pipe, dataset, config)
+    initial = evaluate(pipe, dataset, config, eval_batches)
+    val_losses = [(0, initial)]
     losses, tokens, wire, start = [], 0, 0, time.perf_counter()
+    every, eval_seconds = config.train.eval_every, 0.0
+    off_subspace, energy = [], (0.0, 0.0)
     bar = tqdm(range(config.train.steps), disable=not progress, desc=config.codec.kind, unit="step")
     for step in bar:
         result = pipe.train_step(step, batch_ids(*sampler.next_batch()))
@@ -73,7 +82,15 @@ def train(
         wire += result.wire_bytes_per_token * result.tokens
         rate = tokens / (time.perf_counter() - start)
         bar.set_postfix(loss=f"{result.loss:.3f}", tok_s=f"{rate:.0f}", B_tok=f"{wire / tokens:.1f}")
-    seconds = time.perf_counter() - start
+        done = step + 1
+        if done == config.train.steps or (every > 0 and done % every == 0):
+            t0 = time.perf_counter()
+            val_losses.append((done, evaluate(pipe, dataset, config, eval_batches)))
+            eval_seconds += time.perf_counter() - t0
+            fraction, energy = _off_subspace_since(pipe, energy)
+            if fraction is not None:
+                off_subspace.append((done, fraction))
+    seconds = time.perf_counter() - start - eval_seconds  # training only
     summary = TrainSummary(
         config=config.to_dict(),
         device=str(dev),
@@ -81,8 +98,10 @@ def train(
         tokens=tokens,
         seconds=seconds,
         initial_val_loss=initial,
-        final_val_loss=evaluate(pipe, dataset, config),
+        final_val_loss=val_losses[-1][1],
         losses=losses,
+        val_losses=val_losses,
+        off_subspace=off_subspace,
         wire_bytes_per_token=wire / max(tokens, 1),
         dense_bytes_per_token=dense_bytes_per_token(config),
     )
@@ -92,6 +111,17 @@ def train(
         (path / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
         model_io.save(model_io.from_workers(pipe.workers, config.train.steps - 1), path / "model")
     return summary
+
+
+def _off_subspace_since(
+    pipe: LocalPipeline, before: tuple[float, float]
+) -> tuple[float | None, tuple[float, float]]:
+    """The off-subspace fraction of the boundary gradients since ``before`` (the energies then);
+    None without a subspace codec. A rotation resets the statistics: then it counts since the reset."""
+    stats = [w.statistic for w in pipe.workers if w.statistic is not None]
+    now = (sum(s.off_energy for s in stats), sum(s.total_energy for s in stats))
+    off, total = (now[0] - before[0], now[1] - before[1]) if now[1] >= before[1] else now
+    return ((off / total) ** 0.5 if total > 0 else None), now
 
 
 def dense_bytes_per_token(config: RunConfig) -> float:

@@ -61,7 +61,8 @@ class InferenceStage:
         self.inbound = (
             inference_codec(trained, boundary, tensor_format, tensors) if not self.is_first else None
         )
-        self.outbound = inference_codec(trained, boundary, tensor_format, tensors)
+        out_boundary = head_boundary(trained, boundary) if self.is_last else boundary
+        self.outbound = inference_codec(trained, out_boundary, tensor_format, tensors)
 
     @torch.no_grad()
     def run(
@@ -96,6 +97,12 @@ class InferenceStage:
         return len(frame.payload.data) + len(frame.token_ids)
 
 
+def head_boundary(trained: TrainedModel, boundary: str) -> str:
+    """What the last stage sends the client: its layers may write at full rank
+    (``model.full_rank_layers``), whose output has no exact subspace coordinates."""
+    return "dense" if trained.config.model.full_rank_layers else boundary
+
+
 def inference_codec(
     trained: TrainedModel, boundary: str, tensor_format: str, tensors: dict[str, torch.Tensor] | None = None
 ) -> BoundaryCodec:
@@ -114,7 +121,7 @@ class ClientHead:
 
     def __init__(self, trained: TrainedModel, boundary: str = "subspace", tensor_format: str = "bf16"):
         m = trained.config.model
-        self.codec = inference_codec(trained, boundary, tensor_format)
+        self.codec = inference_codec(trained, head_boundary(trained, boundary), tensor_format)
         self.version = trained.subspace_version
         self.norm = RMSNorm(m.d_model, m.norm_eps)
         self.norm.load_state_dict({"weight": trained.tensors["norm.weight"]})

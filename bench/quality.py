@@ -1,0 +1,257 @@
+"""Quality at high compression: how much sooner a swarm reaches dense quality on a slow link.
+
+Every variant trains the same model on the same batches (seed, data, schedule) through the
+single-process pipeline with its real codecs at every boundary, and records the validation
+loss every ``eval_every`` steps. Dense bf16 is the reference: its validation loss at 25%, 50%
+and 100% of its run are the targets. For each variant the section reports
+
+* the loss at equal steps and its gap to dense at those points, and whether the gap shrinks,
+  holds or grows along the run (what decides what a long run would show);
+* the steps it needs to reach each target (interpolated between evaluations; ``None``: not
+  reached in the run);
+* its step time on a real local swarm (coordinator + node processes, netns + tbf where
+  available, the transport's delay) on each link, measured side by side, and so its time to
+  each target on that link = steps x step time;
+* an analytic estimate of the same at paper size with measured H200 compute
+  (:func:`paper_step_seconds`): the 2B, 8-stage model's step on that link if its boundaries
+  shrink by the variant's measured ratio. A model, labelled as such, not a measurement.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from bench.throughput import Link, attempt, resolve_shaper
+from swarm.core.config import (
+    CodecConfig,
+    ModelConfig,
+    RotationConfig,
+    RunConfig,
+    TrainConfig,
+    stage_layer_ranges,
+)
+from swarm.core.profiles import ComputeProfile, load_profile
+from swarm.io.data import TokenDataset
+from swarm.runtime.train import dense_bytes_per_token, train
+
+TARGET_FRACTIONS = (0.25, 0.5, 1.0)  # dense's loss at these fractions of its run are the targets
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One line of the table: a model and codec, and the lever it pulls (empty: none)."""
+
+    name: str
+    model: ModelConfig
+    codec: CodecConfig
+    rotation: RotationConfig = field(default_factory=RotationConfig)
+    lever: str = ""
+
+    def config(self, train_cfg: TrainConfig, n_stages: int) -> RunConfig:
+        return RunConfig(
+            model=self.model, codec=self.codec, rotation=self.rotation, train=train_cfg, n_stages=n_stages
+        )
+
+
+@dataclass
+class QualityPlan:
+    model: ModelConfig
+    train: TrainConfig  # steps: the length of every run; eval_every: its evaluation interval
+    n_stages: int
+    variants: list[str]  # names from :func:`variants`, dense first
+    links: list[Link]
+    eval_batches: int = 16
+    timing_train: TrainConfig | None = None  # the swarm runs that measure step times (None: no timing)
+    shaper: str = "netns"
+    paper_profile: str = "h200-2b-8layer-mb512"  # a bundled profile name or a JSON path
+
+
+def parameter_count(m: ModelConfig) -> int:
+    """Trainable parameters of the whole model (the fixed embedding and the basis are not trained)."""
+    d = m.d_model
+    total = m.vocab_size * (m.subspace_rank if m.constrained else d)  # embedding's trainable part
+    for layer in range(m.n_layers):
+        rows = m.write_rank(layer) or d
+        total += 3 * d * d + rows * d + 2 * m.d_ff * d + rows * m.d_ff + 2 * d  # attn, mlp, norms
+    return total + d + m.vocab_size * d  # final norm, head
+
+
+def matched_d_ff(m: ModelConfig, target: int) -> int:
+    """The FFN width (a multiple of 8) whose model has about ``target`` trainable parameters."""
+    return min(
+        range(8, 16 * m.d_ff, 8), key=lambda f: abs(parameter_count(dataclasses.replace(m, d_ff=f)) - target)
+    )
+
+
+def variants(model: ModelConfig, n_stages: int) -> list[Variant]:
+    """The line-up: dense, the subspace method from ~8x to ~100x, the levers at ~60x, and MAPL,
+    int8 and top-k near ~30x (ranks scale with ``d_model``, so a small model keeps the ratios)."""
+    d = model.d_model
+
+    def k(ratio: int) -> int:  # bf16 coordinates: 2k bytes per token and direction vs 2d dense
+        return max(1, round(d / ratio))
+
+    def sub(rank: int, **kw) -> ModelConfig:
+        return dataclasses.replace(model, subspace_rank=rank, constrain_writes=True, **kw)
+
+    def codec(kind: str, fwd: str = "bf16", bwd: str = "bf16", **kw) -> CodecConfig:
+        return CodecConfig(kind=kind, forward_format=fwd, backward_format=bwd, **kw)
+
+    dense = dataclasses.replace(model, constrain_writes=False)
+    k60 = k(64)
+    last_start, _ = stage_layer_ranges(model.n_layers, n_stages)[-1]
+    wide = sub(k60, d_ff=matched_d_ff(sub(k60), parameter_count(dense)))
+    return [
+        Variant("dense bf16", dense, codec("identity")),
+        Variant(f"subspace k={k(8)}", sub(k(8)), codec("subspace")),
+        Variant(f"subspace k={k(32)}", sub(k(32)), codec("subspace")),
+        Variant(f"subspace k={k60}", sub(k60), codec("subspace")),
+        Variant(f"subspace k={k(128)}", sub(k(128)), codec("subspace")),
+        Variant(
+            f"subspace k={k60} + full-rank last stage",
+            sub(k60, full_rank_layers=model.n_layers - last_start),
+            codec("subspace"),
+            lever="last stage writes at full rank (exact)",
+        ),
+        Variant(
+            f"subspace k={k60} + parameter-matched FFN",
+            wide,
+            codec("subspace"),
+            lever=f"d_ff {model.d_ff} -> {wide.d_ff}",
+        ),
+        Variant(
+            f"subspace k={k60}, bottleneck at boundaries only",
+            dataclasses.replace(model, subspace_rank=k60, constrain_writes=False),
+            codec("subspace"),
+            lever="layers write at full rank; only a stage's output is projected onto E_fixed + col(U)",
+        ),
+        Variant(
+            f"subspace k={k60} + rotation",
+            sub(k60),
+            codec("subspace"),
+            RotationConfig(interval=25, max_angle=0.2),
+            lever="Grassmann step every 25 steps, up to 0.2 rad",
+        ),
+        Variant(f"subspace k={k(32)} int8/token", sub(k(32)), codec("subspace", "int8_row")),
+        Variant(f"MAPL r={k(32)}", dense, codec("mapl", mapl_rank=k(32), anchor_rank=k(32))),
+        Variant("top-k (~30x)", dense, codec("identity", "topk", topk=max(1, d // 64))),
+    ]
+
+
+def _pick(available: list[Variant], names: list[str]) -> list[Variant]:
+    by_name = {v.name: v for v in available}
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise ValueError(f"unknown quality variants {unknown}; choose from {list(by_name)}")
+    return [by_name[n] for n in names]
+
+
+def steps_to(curve: list[tuple[int, float]], target: float) -> float | None:
+    """The (linearly interpolated) step at which a validation curve first reaches ``target``."""
+    for (s0, l0), (s1, l1) in itertools.pairwise(curve):
+        if l1 <= target:
+            return s1 if l0 == l1 else s0 + (s1 - s0) * (l0 - target) / (l0 - l1)
+    return None
+
+
+def loss_at(curve: list[tuple[int, float]], step: int) -> float:
+    """The validation loss at the evaluation closest to ``step``."""
+    return min(curve, key=lambda point: abs(point[0] - step))[1]
+
+
+def gap_trend(gaps: list[float], tolerance: float = 0.01) -> str:
+    """Whether a relative gap to dense shrinks, holds or grows between the run's middle and its end."""
+    if len(gaps) < 2:
+        return "n/a"
+    change = gaps[-1] - gaps[len(gaps) // 2]
+    return "shrinking" if change < -tolerance else "growing" if change > tolerance else "steady"
+
+
+def paper_step_seconds(
+    profile: ComputeProfile, bytes_per_token: float, link: Link, stages: int = 8, microbatches: int = 16
+) -> float:
+    """Analytic GPipe step of the 2B, 8-layer model (one layer per stage, ``profile.seq_len``-token
+    microbatches): the pipeline runs ``M + P - 1`` slots of its slowest part (a stage's compute, or
+    its busiest uplink moving one microbatch's activations and gradients), plus a round trip of
+    the link's one-way delay per boundary."""
+    tokens = profile.seq_len
+    compute = sum(profile.stage_seconds(1, tokens))
+    transfer = bytes_per_token * tokens * 8 / (link.mbps * 1e6) if link.mbps else 0.0
+    return (microbatches + stages - 1) * max(compute, transfer) + 2 * (stages - 1) * link.one_way_ms / 1e3
+
+
+def run(plan: QualityPlan, dataset: TokenDataset, progress: Callable[[str], None] = print) -> dict:
+    """Every variant's curve, then its step times on the links, then the comparison with dense."""
+    chosen = _pick(variants(plan.model, plan.n_stages), plan.variants)
+    profile = load_profile(plan.paper_profile)
+    rows = []
+    for v in chosen:
+        progress(f"quality: training {v.name}")
+        s = train(v.config(plan.train, plan.n_stages), "auto", dataset, False, eval_batches=plan.eval_batches)
+        rows.append(
+            {
+                "variant": v.name,
+                "lever": v.lever,
+                "parameters": parameter_count(v.model),
+                "wire_B_per_token": s.wire_bytes_per_token,
+                "compression_vs_dense_bf16": dense_bytes_per_token(v.config(plan.train, plan.n_stages))
+                / s.wire_bytes_per_token,
+                "val_curve": s.val_losses,
+                "off_subspace_curve": s.off_subspace,
+                "final_val_loss": s.final_val_loss,
+                "train_seconds": s.seconds,
+            }
+        )
+    if plan.timing_train is not None:
+        shaper = resolve_shaper(plan.shaper)
+        for v, row in zip(chosen, rows, strict=True):
+            row["step_seconds"] = {}
+            for link in plan.links:
+                progress(f"quality: step time of {v.name} on {link.name}")
+                timed = attempt(v.config(plan.timing_train, plan.n_stages), v.name, link, shaper)
+                row["step_seconds"][link.name] = statistics.median(timed["step_seconds"])
+                row["shaper"] = timed["shaper"]
+    compare(rows, plan, profile)
+    return {"rows": rows, "links": [dataclasses.asdict(x) for x in plan.links], "profile": profile.name}
+
+
+def compare(rows: list[dict], plan: QualityPlan, profile: ComputeProfile) -> None:
+    """Add, to every row, its gaps to dense, steps and times to dense's targets (in place)."""
+    dense = rows[0]
+    steps = plan.train.steps
+    targets = {f: loss_at(dense["val_curve"], round(f * steps)) for f in TARGET_FRACTIONS}
+    dense_paper_bytes = 2 * 2 * 4096  # bf16 activations and gradients of the 2B model, per token
+    for row in rows:
+        curve = row["val_curve"]
+        points = [s for s, _ in curve if s > 0]
+        row["gap_vs_dense"] = {s: loss_at(curve, s) / loss_at(dense["val_curve"], s) - 1 for s in points}
+        row["gap_trend"] = gap_trend(list(row["gap_vs_dense"].values()))
+        row["targets"] = {}
+        for fraction, target in targets.items():
+            reached = steps_to(curve, target)
+            entry = {"loss": target, "steps": reached, "steps_vs_dense": None, "seconds": {}}
+            dense_steps = steps_to(dense["val_curve"], target)
+            if reached is not None and dense_steps:
+                entry["steps_vs_dense"] = reached / dense_steps
+            paper_bytes = dense_paper_bytes / row["compression_vs_dense_bf16"]
+            for link in plan.links:
+                local = row.get("step_seconds", {}).get(link.name)
+                paper = paper_step_seconds(profile, paper_bytes, link)
+                entry["seconds"][link.name] = {
+                    "swarm": reached * local if reached is not None and local else None,
+                    "paper_h200_estimate": reached * paper if reached is not None else None,
+                }
+            row["targets"][str(fraction)] = entry
+    for row in rows:  # speed-ups to dense's final loss, per link and setting
+        final, base = row["targets"]["1.0"]["seconds"], dense["targets"]["1.0"]["seconds"]
+        row["speedup_to_dense_final"] = {
+            link: {
+                setting: (base[link][setting] / t if t and base[link][setting] else None)
+                for setting, t in final[link].items()
+            }
+            for link in final
+        }

@@ -1,0 +1,127 @@
+"""The quality section as Markdown tables and PNG plots (loss against steps, and against time per link)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+GOAL_NOTE = (
+    "Goals (issue 20): at >= 60x, loss at equal steps within 3% of dense and dense's final loss reached "
+    "at 80 Mbit/s / 50 ms RTT at least 10x sooner than dense with H200 compute; at >= 100x, at most 1.5x "
+    "dense's steps to its mid-run loss."
+)
+
+
+def _steps(value: float | None) -> str:
+    return "not reached" if value is None else f"{value:.0f}"
+
+
+def _seconds(value: float | None) -> str:
+    if value is None:
+        return "—"
+    if value >= 3600:
+        return f"{value / 3600:.1f} h"
+    return f"{value:.0f} s" if value >= 10 else f"{value:.2f} s"
+
+
+def _ratio(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}x"
+
+
+def section(r: dict) -> list[str]:
+    """The ``quality`` results as Markdown lines (nothing when the section did not run)."""
+    if "quality" not in r:
+        return []
+    q = r["quality"]
+    rows, links = q["rows"], [link["name"] for link in q["links"]]
+    steps = rows[0]["val_curve"][-1][0]
+    mid, end = steps // 2, steps
+    out = [
+        "## Quality at high compression: time to dense's loss",
+        f"Validation loss every few steps over {steps} steps; targets are dense bf16's validation loss at "
+        "25%, 50% and 100% of its run. Gap = loss / dense's loss - 1 at equal steps; trend compares the "
+        "gap at mid-run and at the end; off-subspace = ||(I-P)G|| / ||G|| of the boundary gradients over "
+        "the last evaluation interval (the part of the gradient the subspace cannot follow). " + GOAL_NOTE,
+        "",
+        "| variant | params | B/token fwd+bwd | vs dense bf16 | loss @mid | gap @mid | loss @end | gap @end "
+        "| trend | steps to 25% / 50% / 100% target | vs dense | off-subspace @end |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        gaps, t = row["gap_vs_dense"], row["targets"]
+        reached = " / ".join(_steps(t[f]["steps"]) for f in ("0.25", "0.5", "1.0"))
+        ratios = " / ".join(_ratio(t[f]["steps_vs_dense"]) for f in ("0.25", "0.5", "1.0"))
+        curve = dict(map(tuple, row["val_curve"]))
+        out.append(
+            f"| {row['variant']} | {row['parameters'] / 1e6:.2f}M | {row['wire_B_per_token']:.1f} "
+            f"| {row['compression_vs_dense_bf16']:.0f}x | {_near(curve, mid):.3f} | {_gap(gaps, mid)} "
+            f"| {_near(curve, end):.3f} | {_gap(gaps, end)} | {row['gap_trend']} | {reached} | {ratios} "
+            f"| {_off(row.get('off_subspace_curve'))} |"
+        )
+    levers = [row for row in rows if row["lever"]]
+    if levers:
+        out += ["", "Levers: " + "; ".join(f"{row['variant']}: {row['lever']}" for row in levers) + "."]
+    out += [
+        "",
+        "Time to dense's final loss: `swarm` = steps x the variant's median step time measured on a "
+        "local swarm on that link (this machine's CPU compute); `H200 est.` = steps x an analytic "
+        "step of the 2B, 8-stage model with the measured H200 profile "
+        f"(`{q['profile']}`) whose boundaries shrink by the variant's ratio — an estimate, not a run.",
+        "",
+        "| variant | " + " | ".join(f"{link} swarm | {link} H200 est." for link in links) + " |",
+        "|---|" + "---|---|" * len(links),
+    ]
+    for row in rows:
+        final, speed = row["targets"]["1.0"]["seconds"], row["speedup_to_dense_final"]
+        cells = []
+        for link in links:
+            for setting in ("swarm", "paper_h200_estimate"):
+                cells.append(f"{_seconds(final[link][setting])} ({_ratio(speed[link][setting])})")
+        out.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
+    return [*out, "", "(in parentheses: how much sooner than dense bf16)", ""]
+
+
+def _off(curve: list | None) -> str:
+    """The boundary gradients' off-subspace fraction over the run's last evaluation interval."""
+    return f"{curve[-1][1]:.2f}" if curve else "—"
+
+
+def _near(curve: dict, step: int) -> float:
+    return curve[min(curve, key=lambda s: abs(s - step))]
+
+
+def _gap(gaps: dict, step: int) -> str:
+    key = min(gaps, key=lambda s: abs(int(s) - step))
+    return f"{gaps[key]:+.1%}"
+
+
+def plots(r: dict, out: Path) -> None:
+    """``quality.png``: validation loss against steps, and against time on each link."""
+    if "quality" not in r:
+        return
+    q = r["quality"]
+    links = [link["name"] for link in q["links"]]
+    fig, axes = plt.subplots(1, 1 + len(links), figsize=(6 * (1 + len(links)), 5), squeeze=False)
+    for row in q["rows"]:
+        steps, losses = zip(*row["val_curve"], strict=True)
+        label = f"{row['variant']} ({row['compression_vs_dense_bf16']:.0f}x)"
+        axes[0][0].plot(steps, losses, label=label)
+        for ax, link in zip(axes[0][1:], links, strict=True):
+            step_s = row.get("step_seconds", {}).get(link)
+            if step_s:
+                ax.plot([s * step_s / 3600 for s in steps], losses, label=label)
+    axes[0][0].set_xlabel("step")
+    axes[0][0].set_title("validation loss at equal steps")
+    for ax, link in zip(axes[0][1:], links, strict=True):
+        ax.set_xlabel("hours on a local swarm (measured step time)")
+        ax.set_title(f"validation loss against time, {link}")
+    for ax in axes[0]:
+        ax.set_ylabel("validation loss")
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(out / "quality.png", dpi=120)
+    plt.close(fig)

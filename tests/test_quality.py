@@ -1,0 +1,58 @@
+"""The quality benchmark's arithmetic: parameter counts, steps to a target, gap trends, paper-size steps."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from bench.quality import gap_trend, paper_step_seconds, parameter_count, steps_to, variants
+from bench.throughput import Link
+from swarm.core.config import MODEL_PRESETS
+from swarm.core.model import Stage
+from swarm.core.profiles import load_profile
+from swarm.core.subspace import initial_artifacts
+from tests.helpers import tiny_config
+
+
+@pytest.mark.parametrize("change", [{}, {"constrain_writes": False}, {"full_rank_layers": 1}, {"d_ff": 40}])
+def test_parameter_count_is_the_models(change):
+    config = tiny_config()
+    config = dataclasses.replace(config, model=dataclasses.replace(config.model, **change))
+    fixed, basis = initial_artifacts(config)
+    model = Stage(config.model, 0, config.model.n_layers, fixed, basis, 0)
+    assert parameter_count(config.model) == sum(p.numel() for p in model.parameters())
+
+
+def test_steps_to_a_target_interpolates_and_says_when_it_is_not_reached():
+    curve = [(0, 8.0), (10, 6.0), (20, 5.0), (30, 4.5)]
+    assert steps_to(curve, 6.0) == 10
+    assert steps_to(curve, 5.5) == pytest.approx(15.0)
+    assert steps_to(curve, 4.0) is None
+
+
+def test_gap_trend_compares_mid_run_with_the_end():
+    assert gap_trend([0.10, 0.08, 0.05, 0.03]) == "shrinking"
+    assert gap_trend([0.02, 0.03, 0.05, 0.08]) == "growing"
+    assert gap_trend([0.05, 0.05, 0.052, 0.051]) == "steady"
+
+
+def test_the_line_up_spans_the_compressions_it_names():
+    small = MODEL_PRESETS["small"]
+    by_name = {v.name: v for v in variants(small, 4)}
+    ranks = [by_name[f"subspace k={k}"].model.subspace_rank for k in (32, 8, 4, 2)]
+    assert ranks == [32, 8, 4, 2]  # ~8x, ~30x, ~60x, ~100x+ of bf16 activations at d=256
+    wide = by_name["subspace k=4 + parameter-matched FFN"].model
+    dense = by_name["dense bf16"].model
+    assert abs(parameter_count(wide) - parameter_count(dense)) < 0.01 * parameter_count(dense)
+
+
+def test_paper_step_is_bound_by_the_slower_of_compute_and_link():
+    profile = load_profile("h200-2b-8layer-mb512")
+    link = Link("80 Mbit/s", 80, 25)
+    dense, compressed = paper_step_seconds(profile, 16384, link), paper_step_seconds(profile, 164, link)
+    compute, transfer = sum(profile.stage_seconds(1, 512)), 164 * 512 * 8 / 80e6  # one microbatch
+    assert transfer > compute  # an H200 layer outruns even a 100x-compressed 80 Mbit/s link
+    assert compressed == pytest.approx(23 * transfer + 14 * 0.025)  # 16 microbatches + 7 to fill, 7 RTTs
+    assert dense == pytest.approx(23 * 100 * transfer * 16384 / 16400 + 14 * 0.025)
+    assert paper_step_seconds(profile, 164, Link("10 Gbit/s", 10_000)) == pytest.approx(23 * compute)
