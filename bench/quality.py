@@ -20,10 +20,13 @@ and 100% of its run are the targets. For each variant the section reports
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
+import json
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from bench.throughput import Link, attempt, resolve_shaper
 from swarm.core.config import (
@@ -32,6 +35,7 @@ from swarm.core.config import (
     RotationConfig,
     RunConfig,
     TrainConfig,
+    config_hash,
     stage_layer_ranges,
 )
 from swarm.core.profiles import ComputeProfile, load_profile
@@ -184,28 +188,19 @@ def paper_step_seconds(
     return (microbatches + stages - 1) * max(compute, transfer) + 2 * (stages - 1) * link.one_way_ms / 1e3
 
 
-def run(plan: QualityPlan, dataset: TokenDataset, progress: Callable[[str], None] = print) -> dict:
-    """Every variant's curve, then its step times on the links, then the comparison with dense."""
+def run(
+    plan: QualityPlan,
+    dataset: TokenDataset,
+    cache: Path | None = None,
+    progress: Callable[[str], None] = print,
+) -> dict:
+    """Every variant's curve, then its step times on the links, then the comparison with dense.
+
+    ``cache``: a folder keeping each variant's curve under its configuration's hash, so an
+    interrupted section (an hour on a CPU) resumes where it stopped and a changed variant reruns."""
     chosen = _pick(variants(plan.model, plan.n_stages), plan.variants)
     profile = load_profile(plan.paper_profile)
-    rows = []
-    for v in chosen:
-        progress(f"quality: training {v.name}")
-        s = train(v.config(plan.train, plan.n_stages), "auto", dataset, False, eval_batches=plan.eval_batches)
-        rows.append(
-            {
-                "variant": v.name,
-                "lever": v.lever,
-                "parameters": parameter_count(v.model),
-                "wire_B_per_token": s.wire_bytes_per_token,
-                "compression_vs_dense_bf16": dense_bytes_per_token(v.config(plan.train, plan.n_stages))
-                / s.wire_bytes_per_token,
-                "val_curve": s.val_losses,
-                "off_subspace_curve": s.off_subspace,
-                "final_val_loss": s.final_val_loss,
-                "train_seconds": s.seconds,
-            }
-        )
+    rows = [curve(v, plan, dataset, cache, progress) for v in chosen]
     if plan.timing_train is not None:
         shaper = resolve_shaper(plan.shaper)
         for v, row in zip(chosen, rows, strict=True):
@@ -217,6 +212,35 @@ def run(plan: QualityPlan, dataset: TokenDataset, progress: Callable[[str], None
                 row["shaper"] = timed["shaper"]
     compare(rows, plan, profile)
     return {"rows": rows, "links": [dataclasses.asdict(x) for x in plan.links], "profile": profile.name}
+
+
+def curve(
+    v: Variant, plan: QualityPlan, dataset: TokenDataset, cache: Path | None, progress: Callable[[str], None]
+) -> dict:
+    """One variant's training run and validation curve (from ``cache`` when it holds this exact run)."""
+    config = v.config(plan.train, plan.n_stages)
+    key = hashlib.sha256(f"{config_hash(config)}/{plan.eval_batches}".encode()).hexdigest()[:16]
+    saved = cache / f"{key}.json" if cache is not None else None
+    if saved is not None and saved.exists():
+        progress(f"quality: {v.name} from {saved}")
+        return json.loads(saved.read_text())
+    progress(f"quality: training {v.name}")
+    s = train(config, "auto", dataset, False, eval_batches=plan.eval_batches)
+    row = {
+        "variant": v.name,
+        "lever": v.lever,
+        "parameters": parameter_count(v.model),
+        "wire_B_per_token": s.wire_bytes_per_token,
+        "compression_vs_dense_bf16": dense_bytes_per_token(config) / s.wire_bytes_per_token,
+        "val_curve": s.val_losses,
+        "off_subspace_curve": s.off_subspace,
+        "final_val_loss": s.final_val_loss,
+        "train_seconds": s.seconds,
+    }
+    if saved is not None:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(row))
+    return json.loads(json.dumps(row))  # the same types whether trained now or read back
 
 
 def compare(rows: list[dict], plan: QualityPlan, profile: ComputeProfile) -> None:

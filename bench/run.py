@@ -173,9 +173,20 @@ def plan(quick: bool) -> BenchPlan:
                 steps=1000, batch_size=8, seq_len=128, microbatches=2, lr=3e-3, warmup_steps=20, eval_every=50
             ),
             n_stages=4,
-            variants=[v.name for v in quality.variants(small, 4)],
+            variants=[  # the most telling first: an interrupted run still answers the question
+                "dense bf16",
+                "subspace k=4",
+                "subspace k=2",
+                "subspace k=8",
+                "subspace k=4, bottleneck at boundaries only",
+                "subspace k=4 + full-rank last stage",
+                "subspace k=4 + parameter-matched FFN",
+                "subspace k=4 + rotation",
+                "MAPL r=8",
+                "subspace k=32",
+            ],
             links=[Link("80 Mbit/s, 50 ms RTT", 80, 25), Link("200 Mbit/s, 50 ms RTT", 200, 25)],
-            timing_train=TrainConfig(steps=8, batch_size=8, seq_len=128, microbatches=2),
+            timing_train=TrainConfig(steps=6, batch_size=8, seq_len=128, microbatches=2),
         ),
     )
 
@@ -203,8 +214,9 @@ def machine() -> dict:
     }
 
 
-def sections(p: BenchPlan, quick: bool) -> dict[str, Callable[[], object]]:
-    """Each benchmark section as a thunk, in the order they run."""
+def sections(p: BenchPlan, quick: bool, cache: Path | None = None) -> dict[str, Callable[[], object]]:
+    """Each benchmark section as a thunk, in the order they run (``cache``: where sections that
+    take long keep finished parts, so a rerun resumes)."""
     cases = _cases(p.model)
     stages = p.n_stages if not quick else 2
 
@@ -248,7 +260,7 @@ def sections(p: BenchPlan, quick: bool) -> dict[str, Callable[[], object]]:
     if p.replicas is not None:
         out["replicas"] = lambda: replicas.run(p.replicas)
     if p.quality is not None:
-        out["quality"] = lambda: _quality(p.quality)
+        out["quality"] = lambda: _quality(p.quality, cache)
     return out
 
 
@@ -264,9 +276,9 @@ def _paper_scale(p: BenchPlan) -> dict:
     return paper_scale.run(ps, cases, shaper=p.shaper)
 
 
-def _quality(q: quality.QualityPlan) -> dict:
-    """Every quality variant on the benchmark corpus (loaded once)."""
-    return quality.run(q, load_dataset(RunConfig(model=q.model, train=q.train, n_stages=1)))
+def _quality(q: quality.QualityPlan, cache: Path | None) -> dict:
+    """Every quality variant on the benchmark corpus (loaded once); curves kept in ``cache``."""
+    return quality.run(q, load_dataset(RunConfig(model=q.model, train=q.train, n_stages=1)), cache)
 
 
 def _multihost(p: BenchPlan) -> list[dict] | dict:
@@ -293,7 +305,7 @@ def main(
     current_plan = json.loads(json.dumps(dataclasses.asdict(p), default=str))
     results: dict = {"quick": quick, "machine": machine(), "plan": current_plan, "seconds": {}}
     saved = out / "results.json"
-    available = sections(p, quick)
+    available = sections(p, quick, out / "quality-runs")
     unknown = set(only or ()) - set(available)
     if unknown:
         raise ValueError(f"unknown benchmark sections {sorted(unknown)}; choose from {list(available)}")

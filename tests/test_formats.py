@@ -74,9 +74,26 @@ def test_nbytes_and_shape(case: Case, rows: int) -> None:
     assert out.shape == (rows, COLS) and out.dtype == torch.float32
 
 
-def test_decode_device_and_dtype(case: Case) -> None:
-    out = case.fmt.decode(case.fmt.encode(randn(ROWS, COLS)), device="cpu", dtype=torch.float64)
-    assert out.dtype == torch.float64
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
+def test_decode_device_and_dtype(case: Case, dtype: torch.dtype) -> None:
+    payload = case.fmt.encode(randn(ROWS, COLS))
+    wide = case.fmt.decode(payload, device=torch.device("cpu"), dtype=torch.float64)
+    out = case.fmt.decode(payload, device="cpu", dtype=dtype)
+    assert (out.device.type, out.dtype) == ("cpu", dtype)
+    assert torch.equal(out, wide.to(dtype))
+    assert torch.equal(wide.float(), case.fmt.decode(payload))
+
+
+def test_no_tensor_lands_on_the_default_device(case: Case) -> None:
+    """Every tensor a format makes follows its input or the device asked for: with the default device
+    set to ``meta``, one made without an explicit device lands there and breaks the round trip, as a
+    tensor hard-coded to the CPU breaks on CUDA."""
+    x = randn(ROWS, COLS)
+    payload = case.fmt.encode(x)
+    with torch.device("meta"):
+        assert case.fmt.encode(x) == payload
+        out = case.fmt.decode(payload, device="cpu")
+    assert torch.equal(out, case.fmt.decode(payload))
 
 
 @pytest.mark.parametrize(

@@ -73,7 +73,8 @@ class TensorFormat(ABC):
 
     Subclasses set ``name`` (the id that travels on the wire) and implement
     :meth:`_encode` / :meth:`_decode`; the base class checks shapes and finiteness on
-    both sides so a subclass only deals with well-formed input.
+    both sides so a subclass only deals with well-formed input. Encoding computes on the
+    input's device and decoding on the requested one; the bytes do not depend on either.
     """
 
     name: ClassVar[str]
@@ -93,13 +94,15 @@ class TensorFormat(ABC):
         if payload.format != self.name:
             raise PayloadError(f"payload format {payload.format!r} given to decoder {self.name!r}")
         check_shape(payload.rows, payload.cols)
-        out = self._decode(payload.data, payload.rows, payload.cols).to(device=device, dtype=dtype)
+        out = self._decode(payload.data, payload.rows, payload.cols, device).to(dtype=dtype)
         # checked after the cast: a finite fp64 value can overflow the dtype the stage computes in
         check_finite(out, f"decoded {self.name} payload")
         return out
 
     @abstractmethod
-    def _encode(self, x: torch.Tensor) -> bytes: ...
+    def _encode(self, x: torch.Tensor) -> bytes:
+        """The bytes of ``x``; every intermediate tensor lives on ``x.device``."""
 
     @abstractmethod
-    def _decode(self, data: bytes, rows: int, cols: int) -> torch.Tensor: ...
+    def _decode(self, data: bytes, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
+        """The ``rows x cols`` matrix in ``data``, built on ``device``."""

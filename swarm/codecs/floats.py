@@ -27,11 +27,11 @@ _BITS_AS = {
 
 def _wire_dtype(dtype: torch.dtype) -> np.dtype:
     """The little-endian numpy dtype whose bytes carry ``dtype`` on the wire."""
-    return torch.empty(0, dtype=_BITS_AS.get(dtype, dtype)).numpy().dtype.newbyteorder("<")
+    return torch.empty(0, dtype=_BITS_AS.get(dtype, dtype), device="cpu").numpy().dtype.newbyteorder("<")
 
 
 def pack(t: torch.Tensor, dtype: torch.dtype) -> bytes:
-    """``t`` cast to ``dtype`` as little-endian bytes.
+    """``t`` (on any device) cast to ``dtype`` as little-endian bytes.
 
     Integer casts wrap, so callers keep values in range; a float cast that overflows
     raises :class:`PayloadError` instead of sending Inf.
@@ -44,9 +44,14 @@ def pack(t: torch.Tensor, dtype: torch.dtype) -> bytes:
 
 
 def unpack(
-    data: bytes, dtype: torch.dtype, shape: tuple[int, ...], offset: int = 0
+    data: bytes,
+    dtype: torch.dtype,
+    shape: tuple[int, ...],
+    offset: int = 0,
+    device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, int]:
-    """Read a ``shape`` tensor of little-endian ``dtype`` at ``offset``; returns it and the next offset.
+    """Read a ``shape`` tensor of little-endian ``dtype`` at ``offset`` onto ``device``; returns it and
+    the next offset.
 
     The caller has checked the total payload size, so a short buffer here is a bug.
     """
@@ -54,7 +59,8 @@ def unpack(
     count = math.prod(shape)
     arr = np.frombuffer(data, dtype=wire, count=count, offset=offset).astype(wire.newbyteorder("="))
     t = torch.from_numpy(arr).reshape(shape)
-    return (t.view(dtype) if dtype.is_floating_point else t), offset + count * wire.itemsize
+    t = t.view(dtype) if dtype.is_floating_point else t
+    return t.to(device), offset + count * wire.itemsize
 
 
 class _RawFloatFormat(TensorFormat):
@@ -68,9 +74,10 @@ class _RawFloatFormat(TensorFormat):
     def _encode(self, x: torch.Tensor) -> bytes:
         return pack(x, self.dtype)
 
-    def _decode(self, data: bytes, rows: int, cols: int) -> torch.Tensor:
+    def _decode(self, data: bytes, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
         check_size(data, rows * cols * self.dtype.itemsize, self.name)
-        return unpack(data, self.dtype, (rows, cols))[0].to(torch.promote_types(self.dtype, torch.float32))
+        values, _ = unpack(data, self.dtype, (rows, cols), device=device)
+        return values.to(torch.promote_types(self.dtype, torch.float32))
 
 
 class Float64Format(_RawFloatFormat):

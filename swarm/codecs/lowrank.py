@@ -42,13 +42,13 @@ class LowRankFormat(TensorFormat):
             + pack(root[:, None] * vh[:r], torch.float16)
         )
 
-    def _decode(self, data: bytes, rows: int, cols: int) -> torch.Tensor:
+    def _decode(self, data: bytes, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
         if len(data) < _HEADER.size:
             raise PayloadError(f"{self.name}: {len(data)} bytes is shorter than the header")
         (r,) = _HEADER.unpack_from(data)
         if r > min(rows, cols):
             raise PayloadError(f"{self.name}: rank {r} exceeds a {rows}x{cols} matrix")
         check_size(data, _HEADER.size + 2 * r * (rows + cols), self.name)
-        a, offset = unpack(data, torch.float16, (rows, r), _HEADER.size)
-        b, _ = unpack(data, torch.float16, (r, cols), offset)
+        a, offset = unpack(data, torch.float16, (rows, r), _HEADER.size, device)
+        b, _ = unpack(data, torch.float16, (r, cols), offset, device)
         return a.float() @ b.float()

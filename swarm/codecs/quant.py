@@ -26,7 +26,7 @@ def fp16_scale(scale: torch.Tensor) -> torch.Tensor:
     get a zero scale.
     """
     s = scale.to(torch.float16)
-    s = torch.where(s.float() < scale, torch.nextafter(s, torch.tensor(torch.inf, dtype=s.dtype)), s)
+    s = torch.where(s.float() < scale, torch.nextafter(s, s.new_tensor(torch.inf)), s)
     return s.clamp(max=_FP16_MAX)
 
 
@@ -64,10 +64,10 @@ class RowInt8Format(TensorFormat):
         q, scale = absmax_quantise(x, self._QMAX)
         return pack(scale, torch.float16) + pack(q, torch.int8)
 
-    def _decode(self, data: bytes, rows: int, cols: int) -> torch.Tensor:
+    def _decode(self, data: bytes, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
         check_size(data, rows * (cols + 2), self.name)
-        scale, offset = unpack(data, torch.float16, (rows,))
-        q, _ = unpack(data, torch.int8, (rows, cols), offset)
+        scale, offset = unpack(data, torch.float16, (rows,), device=device)
+        q, _ = unpack(data, torch.int8, (rows, cols), offset, device)
         return absmax_dequantise(q, scale, self._QMAX, self.name)
 
 
@@ -102,14 +102,14 @@ class BlockwiseFormat(TensorFormat):
             q = u[:, 0] | (u[:, 1] << 4)
         return pack(scale, torch.float16) + pack(q, torch.uint8 if self.bits == 4 else torch.int8)
 
-    def _decode(self, data: bytes, rows: int, cols: int) -> torch.Tensor:
+    def _decode(self, data: bytes, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
         nblocks = self._nblocks(rows, cols)
         check_size(data, nblocks * (2 + self.block * self.bits // 8), self.name)
-        scale, offset = unpack(data, torch.float16, (nblocks,))
+        scale, offset = unpack(data, torch.float16, (nblocks,), device=device)
         if self.bits == 4:
-            packed, _ = unpack(data, torch.uint8, (nblocks * self.block // 2,), offset)
+            packed, _ = unpack(data, torch.uint8, (nblocks * self.block // 2,), offset, device)
             q = (torch.stack([packed & 0xF, packed >> 4], dim=1).to(torch.int8) - 8).view(nblocks, self.block)
         else:
-            q, _ = unpack(data, torch.int8, (nblocks, self.block), offset)
+            q, _ = unpack(data, torch.int8, (nblocks, self.block), offset, device)
         flat = absmax_dequantise(q, scale, self.qmax, self.name).reshape(-1)
         return flat[: rows * cols].view(rows, cols)

@@ -36,7 +36,9 @@ class ResidualVQ(TensorFormat):
     re-seeded from a residual row drawn with probability proportional to its squared error.
     All randomness comes from a generator seeded with ``seed``, so copies built with the
     same arguments start (and, fed the same batches, stay) identical. Followers that
-    receive deltas must not call :meth:`update` themselves.
+    receive deltas must not call :meth:`update` themselves. Codebooks and learning state
+    stay on the CPU (:meth:`update` learns there); encoding and decoding read the codebooks
+    on the device they compute on.
     """
 
     name = "rvq"
@@ -68,23 +70,23 @@ class ResidualVQ(TensorFormat):
 
     def _encode(self, x: torch.Tensor) -> bytes:
         scale, res = self._normalise(x)
-        codes = torch.empty(x.shape[0], self.n_codebooks, dtype=torch.uint8)
+        codes = torch.empty(x.shape[0], self.n_codebooks, dtype=torch.uint8, device=x.device)
         for level in range(self.n_codebooks):
             idx, _ = self._assign(res, level)
             codes[:, level] = idx
-            res = res - self.codebooks[level, idx]
+            res = res - self.codebooks[level].to(res.device)[idx]
         return pack(scale, torch.float16) + pack(codes, torch.uint8)
 
-    def _decode(self, data: bytes, rows: int, cols: int) -> torch.Tensor:
+    def _decode(self, data: bytes, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
         if cols != self.dim:
             raise PayloadError(f"{self.name}: {cols} columns, codebooks have dimension {self.dim}")
         check_size(data, rows * (self.n_codebooks + 2), self.name)
-        scale, offset = unpack(data, torch.float16, (rows,))
-        codes, _ = unpack(data, torch.uint8, (rows, self.n_codebooks), offset)
+        scale, offset = unpack(data, torch.float16, (rows,), device=device)
+        codes, _ = unpack(data, torch.uint8, (rows, self.n_codebooks), offset, device)
         codes = codes.long()
         if bool((codes >= self.codebook_size).any()):
             raise PayloadError(f"{self.name}: code >= codebook size {self.codebook_size}")
-        out = self.codebooks[torch.arange(self.n_codebooks), codes].sum(dim=1)
+        out = self.codebooks.to(device)[torch.arange(self.n_codebooks, device=device), codes].sum(dim=1)
         return out * scale.float()[:, None]
 
     def _normalise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -97,7 +99,7 @@ class ResidualVQ(TensorFormat):
 
     def _assign(self, res: torch.Tensor, level: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Index of the codeword nearest each residual row at ``level``, and its squared distance."""
-        cb = self.codebooks[level]
+        cb = self.codebooks[level].to(res.device)
         dist = res.pow(2).sum(1, keepdim=True) - 2 * res @ cb.T + cb.pow(2).sum(1)
         best, idx = dist.min(dim=1)
         return idx, best.clamp_min(0)
@@ -107,7 +109,7 @@ class ResidualVQ(TensorFormat):
     def update(self, x: torch.Tensor, eps: float = 1e-5) -> None:
         """One EMA k-means step per level on the rows of ``x`` (``n x dim``); bumps ``version`` on change."""
         check_finite(x, f"{self.name} training batch")
-        _, res = self._normalise(x.detach())
+        _, res = self._normalise(x.detach().to(self.codebooks.device))
         if res.shape[0] == 0:
             return
         changed_any = False

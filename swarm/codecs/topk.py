@@ -30,14 +30,14 @@ class TopKFormat(TensorFormat):
         idx = x.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
         return pack(idx, torch.uint16) + pack(x.gather(1, idx), torch.float16)
 
-    def _decode(self, data: bytes, rows: int, cols: int) -> torch.Tensor:
+    def _decode(self, data: bytes, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
         k = min(self.k_per_row, cols)
         check_size(data, rows * k * 4, self.name)
-        idx, offset = unpack(data, torch.uint16, (rows, k))
-        values, _ = unpack(data, torch.float16, (rows, k), offset)
+        idx, offset = unpack(data, torch.uint16, (rows, k), device=device)
+        values, _ = unpack(data, torch.float16, (rows, k), offset, device)
         idx = idx.long()
         if bool((idx >= cols).any()):
             raise PayloadError(f"{self.name}: index >= {cols} columns")
         if bool((idx[:, 1:] <= idx[:, :-1]).any()):
             raise PayloadError(f"{self.name}: row indices not strictly increasing")
-        return torch.zeros(rows, cols).scatter_(1, idx, values.float())
+        return torch.zeros(rows, cols, device=device).scatter_(1, idx, values.float())
