@@ -21,10 +21,13 @@ import sqlite3
 import sys
 import time
 import tomllib
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import uvloop
 from swarm.coordinator.service import CoordinatorServer, CoordinatorService, host_port
+from swarm.coordinator.settings import CoordinatorSettings
 from swarm.coordinator.state import CoordinatorState
 from swarm.coordinator.tokens import JoinTokens
 
@@ -74,7 +77,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--public-dht", action="store_true", help="let the DHT map NAT ports (UPnP/NAT-PMP; production only)"
     )
     serve.add_argument(
-        "--dead-after", type=float, default=15.0, help="seconds without heartbeat before death"
+        "--dead-after",
+        type=float,
+        default=CoordinatorSettings.dead_after_s,
+        help="seconds without heartbeat before death",
     )
     serve.add_argument("--log-format", choices=logs.FORMATS, default="text", help="text lines or JSON lines")
     tls.add_arguments(serve)
@@ -99,13 +105,36 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def load_config(path: str | None) -> RunConfig:
-    """The run configuration from ``path``, or the embedded default run."""
-    if path is None:
-        from swarm.cli import DEFAULT_RUN
+def serve_command(
+    *,
+    config: str | Path | None = None,
+    host: str | None = None,
+    port: int | None = None,
+    state: str | Path | None = None,
+    metrics_port: int | None = None,
+    dead_after: float | None = None,
+    use_dht: bool = True,
+    security: Sequence[str] = (),
+) -> list[str]:
+    """A ``swarm-coordinator serve`` command line: the arguments after ``python -m swarm.coordinator.cli``
+    (what :func:`main` takes). ``None`` leaves a flag at its default; ``security``: transport flags
+    (:func:`swarm.net.tls.cli_flags`, or ``["--insecure"]``). The join token stays off it (``$SWARM_TOKEN``).
+    """
+    options = {
+        "--config": config,
+        "--host": host,
+        "--port": port,
+        "--state": state,
+        "--metrics-port": metrics_port,
+        "--dead-after": dead_after,
+    }
+    args = [x for flag, value in options.items() if value is not None for x in (flag, str(value))]
+    return ["serve", *args, *([] if use_dht else ["--no-dht"]), *security]
 
-        return RunConfig.from_dict(DEFAULT_RUN)
-    return RunConfig.from_toml(path)
+
+def load_config(path: str | None) -> RunConfig:
+    """The run configuration from ``path``, or the embedded default run (:class:`RunConfig`'s defaults)."""
+    return RunConfig() if path is None else RunConfig.from_toml(path)
 
 
 @dataclass(frozen=True)
@@ -241,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
             None,
             Metrics("coordinator"),
             [],
-            dead_after_s=args.dead_after,
+            CoordinatorSettings(dead_after_s=args.dead_after),
             security=security,
         )
         uvloop.run(serve(service, where))

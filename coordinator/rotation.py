@@ -13,17 +13,10 @@ bit-identical rotations) into :func:`~swarm.core.subspace.next_rotation`, effect
 from __future__ import annotations
 
 import torch
+from swarm.coordinator.errors import Rejected
 
 from swarm.core.config import RunConfig
 from swarm.core.subspace import SubspaceRotation, next_rotation
-
-
-class Rejected(Exception):
-    """A report the coordinator refuses; ``label`` is the ``swarm_rejected_messages`` reason."""
-
-    def __init__(self, label: str, message: str):
-        super().__init__(message)
-        self.label = label
 
 
 class RotationCollector:

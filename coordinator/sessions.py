@@ -21,9 +21,10 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from swarm.coordinator.settings import CoordinatorSettings
+
 from swarm.net.credentials import NODE_KEY, SESSION_KEY
 
-SESSION_TTL_S = 3600.0
 CREDENTIAL = re.compile(
     r"(?P<token>[0-9a-f]{12})\.(?P<expires>[1-9][0-9]{0,11})\.(?P<mac>[0-9a-f]{64})", re.ASCII
 )
@@ -68,7 +69,7 @@ class Sessions:
         self,
         key_path: str | Path,
         revoked: Callable[[str], bool],
-        ttl_s: float = SESSION_TTL_S,
+        ttl_s: float = CoordinatorSettings.session_ttl_s,
         clock: Callable[[], float] = time.time,
     ):
         path = Path(key_path)

@@ -9,6 +9,7 @@ import dataclasses
 import logging
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import uvloop
@@ -23,7 +24,8 @@ from swarm.ops.logs import say
 from swarm.serve.inference import BOUNDARIES, FORMATS
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``swarm-node`` parser: ``join`` and ``serve``."""
     parser = argparse.ArgumentParser(prog="swarm-node", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("join", help="join a run and train until it ends")
@@ -109,7 +111,40 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     serve.add_argument("--log-format", choices=logs.FORMATS, default="text", help="text lines or JSON lines")
     tls.add_arguments(serve)
-    return parser.parse_args(argv)
+    return parser
+
+
+def join_command(
+    coordinator: str,
+    *,
+    listen: str | None = None,
+    stages: int | None = None,
+    data_dir: str | Path | None = None,
+    device: str | None = None,
+    link_mbps: float | None = None,
+    link_latency_ms: float | None = None,
+    name: str | None = None,
+    use_dht: bool = True,
+    metrics_port: int | None = None,
+    security: Sequence[str] = (),
+) -> list[str]:
+    """A ``swarm-node join`` command line: the arguments after ``python -m swarm.node.cli`` (what
+    :func:`main` takes). ``None`` leaves a flag at its default; ``security``: transport flags
+    (:func:`swarm.net.tls.cli_flags`, or ``["--insecure"]``). The join token stays off it (``$SWARM_TOKEN``).
+    """
+    options = {
+        "--coordinator": coordinator,
+        "--listen": listen,
+        "--stages": stages,
+        "--data-dir": data_dir,
+        "--device": device,
+        "--link-mbps": link_mbps,
+        "--link-latency-ms": link_latency_ms,
+        "--name": name,
+        "--metrics-port": metrics_port,
+    }
+    args = [x for flag, value in options.items() if value is not None for x in (flag, str(value))]
+    return ["join", *args, *([] if use_dht else ["--no-dht"]), *security]
 
 
 def serve_stage(args: argparse.Namespace) -> int:
@@ -202,7 +237,7 @@ async def _follow(daemon: NodeDaemon, settings: NodeSettings, linger_s: float) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+    args = build_parser().parse_args(argv)
     logs.setup(args.log_format, logging.WARNING)
     if args.command == "serve":
         return serve_stage(args)

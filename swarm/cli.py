@@ -9,15 +9,11 @@ import sys
 import time
 import tomllib
 
-from swarm.core.config import MODEL_PRESETS, SCHEDULES, RunConfig, config_hash
+from swarm.coordinator.settings import CoordinatorSettings
+from swarm.core.config import MODEL_PRESETS, SCHEDULES, RunConfig, TrainConfig, config_hash
 from swarm.net.tls import add_arguments as tls_arguments
 
-DEFAULT_RUN = {
-    "model": dataclasses.asdict(MODEL_PRESETS["small"]),
-    "codec": {"kind": "subspace", "forward_format": "bf16", "backward_format": "bf16"},
-    "train": {"steps": 200, "batch_size": 8, "seq_len": 128, "microbatches": 2},
-    "n_stages": 4,
-}
+NO_BENCH = "swarm bench runs from a source checkout (bench/ is not installed)"
 
 
 def add_run_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,14 +43,20 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_config_from_args(args: argparse.Namespace) -> RunConfig:
-    """The embedded default (or ``--config``), with every given flag applied on top."""
+    """The embedded default (:class:`RunConfig`'s defaults) or ``--config``, with every given flag on top.
+
+    ``--preset`` without ``--seq-len`` shortens the sequence to the preset's context if it is longer.
+    """
     if args.config:
         with open(args.config, "rb") as f:
             d = tomllib.load(f)
     else:
-        d = json.loads(json.dumps(DEFAULT_RUN))
+        d = RunConfig().to_dict()
     if args.preset:
         d["model"] = dataclasses.asdict(MODEL_PRESETS[args.preset])
+        if args.seq_len is None:
+            train = d.setdefault("train", {})
+            train["seq_len"] = min(train.get("seq_len", TrainConfig.seq_len), d["model"]["max_seq_len"])
     overrides = {
         ("codec", "kind"): args.codec,
         ("codec", "forward_format"): args.forward_format,
@@ -223,9 +225,25 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from bench.run import main as bench_main
+def _checkout_root() -> str | None:
+    """The source checkout this package runs from (the folder holding ``bench/``), if any."""
+    from pathlib import Path
 
+    root = Path(__file__).resolve().parent.parent
+    return str(root) if (root / "bench" / "run.py").is_file() else None
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    root = _checkout_root()
+    if root is not None and root not in sys.path:  # an editable install: bench/ is next to swarm/
+        sys.path.insert(0, root)
+    try:
+        from bench.run import main as bench_main
+    except ModuleNotFoundError as e:  # an installed wheel: bench/ is a development tree
+        if e.name not in ("bench", "bench.run"):
+            raise
+        print(f"swarm: error: {NO_BENCH}", file=sys.stderr)
+        return 2
     out = args.out or ("results/bench-quick" if args.quick else "bench/results")
     only = args.only.split(",") if args.only else None
     results = bench_main(args.quick, out, resume=args.resume, only=only, compute_profile=args.compute_profile)
@@ -256,7 +274,8 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The ``swarm`` parser: one subcommand each, its handler in ``func``."""
     parser = argparse.ArgumentParser(prog="swarm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("train", help="train with all stages in this process (real codecs at every boundary)")
@@ -284,7 +303,10 @@ def main(argv: list[str] | None = None) -> int:
         help="kill -9 a random stage-hosting node this often (a fresh node joins in its place)",
     )
     p.add_argument(
-        "--dead-after", type=float, default=15.0, help="seconds without a heartbeat before a node is dead"
+        "--dead-after",
+        type=float,
+        default=CoordinatorSettings.dead_after_s,
+        help="seconds without a heartbeat before a node is dead",
     )
     p.add_argument(
         "--metrics-base-port",
@@ -354,7 +376,11 @@ def main(argv: list[str] | None = None) -> int:
         help="paper-scale section: a bundled profile name or a JSON file (bench.compute_profile)",
     )
     p.set_defaults(func=cmd_bench)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     try:
         return args.func(args)
     except (ValueError, OSError) as e:  # bad arguments, a missing or corrupt file (ModelFormatError too)

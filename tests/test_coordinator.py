@@ -20,10 +20,14 @@ import grpc
 import pytest
 import torch
 from swarm.coordinator.assignment import add_replicas, assign, links_for, stages_of, take_stages
+from swarm.coordinator.export import artifact_store
+from swarm.coordinator.judge import SAME_PAIR_ACCUSATIONS, Judge
+from swarm.coordinator.ledger import Ledger
 from swarm.coordinator.service import CoordinatorServer, CoordinatorService
+from swarm.coordinator.settings import CoordinatorSettings
+from swarm.coordinator.state import CheckpointRecord, CoordinatorState, NodeRecord
 
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
-from swarm.cli import DEFAULT_RUN
 from swarm.core.config import RotationConfig, RunConfig, config_hash
 from swarm.core.subspace import initial_artifacts, next_rotation
 from swarm.io.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
@@ -187,14 +191,15 @@ class NodeCredentials:
 async def coordinator(
     state: Path,
     config: RunConfig | None = None,
-    dead_after_s: float = 15.0,
+    dead_after_s: float = CoordinatorSettings.dead_after_s,
     credentials: NodeCredentials | None = None,
 ) -> AsyncIterator[Harness]:
     """A coordinator on ``state`` and a channel to it; ``credentials``: sessions nodes already hold
     (from a previous coordinator on the same state)."""
     credentials = credentials or NodeCredentials()
+    settings = CoordinatorSettings(dead_after_s=dead_after_s)
     service = CoordinatorService(
-        config or tiny_config(), TOKEN, state, None, Metrics("coordinator"), PEERS, dead_after_s=dead_after_s
+        config or tiny_config(), TOKEN, state, None, Metrics("coordinator"), PEERS, settings
     )
     async with CoordinatorServer(service) as server:
         channel = grpc.aio.insecure_channel(
@@ -315,6 +320,46 @@ def test_dial_plan_with_replicas_links_every_pair_of_neighbouring_replicas():
         (1, "c", DIAL),
     ]
     assert [lk.peer_node_id for lk in links_for("a", [("a",), ("a", "x")], addresses)] == ["x"]
+
+
+# -- collaborators without gRPC ----------------------------------------------------------------
+
+
+def test_the_ledger_shows_each_cut_once_and_resumes_from_the_newest_that_verifies(tmp_path):
+    config = tiny_config(n_stages=2)
+    state = CoordinatorState(tmp_path / "state.sqlite")
+    try:
+        store = artifact_store(tmp_path / "state.sqlite", 1 << 20)
+        run = state.open_run(None, config)
+        ledger = Ledger(config, run, state, store, Metrics("coordinator"))
+
+        def snapshot(step: int, stage: int) -> int | None:
+            data = f"stage {stage} after step {step}".encode()
+            store.append(digest(data), 0, data, len(data))
+            return ledger.add_checkpoint(CheckpointRecord(step, stage, digest(data), len(data)))
+
+        assert [snapshot(1, 0), snapshot(1, 1), snapshot(3, 0), snapshot(3, 1)] == [None, 1, None, 3]
+        assert ledger.latest_cut() == 3
+        store.cache.path(ledger.checkpoints[(3, 1)].digest).write_bytes(b"bit rot")
+        ledger.start_epoch("a boundary broke", progressed=True)
+        assert (ledger.plan_epoch, ledger.resume_step, ledger.restarts) == (run.plan_epoch + 1, 2, 1)
+        assert sorted(ledger.checkpoints) == [(1, 0), (1, 1)] and ledger.latest_cut() == 1
+        assert [(r.stage, r.step) for r in ledger.restore([0, 1])] == [(0, 1), (1, 1)]
+    finally:
+        state.close()
+
+
+def test_the_judge_evicts_the_accused_then_a_repeat_accuser_and_both_of_a_recurring_pair():
+    evicted: list[NodeRecord] = []
+    judge = Judge(lambda node_id: node_id, evicted.append, Metrics("coordinator"))
+    a, b, c = (NodeRecord(n, n, "", "cpu", 1, [], True) for n in "abc")
+    judge.accusation(a, b, "bad frame")
+    judge.accusation(a, c, "bad frame")  # a second party: the accuser is the common factor
+    assert [n.id for n in evicted] == ["b", "a"]
+    evicted.clear()
+    for _ in range(SAME_PAIR_ACCUSATIONS):
+        judge.accusation(c, b, "bad frame")
+    assert [n.id for n in evicted] == ["b"] * SAME_PAIR_ACCUSATIONS + ["c"]
 
 
 # -- the service ------------------------------------------------------------------------------
@@ -616,7 +661,7 @@ def test_dead_left_and_unknown_nodes_are_denied(tmp_path):
                 assert h.rejected(label) == before + (7 if node_id == "nobody" else 8)
             # Nothing of theirs was stored, and the plan did not move.
             assert not (await h.held(a.node_id, digest(blob))).held
-            assert (await h.status()).plan_epoch == epoch and h.service.cut_requests == 0
+            assert (await h.status()).plan_epoch == epoch and h.service.ledger.cut_requests == 0
 
     run(scenario())
 
@@ -956,7 +1001,7 @@ def test_cli_serves_and_stops_on_sigterm(tmp_path):
                 coordinator_pb2.StatusRequest(), timeout=RPC_TIMEOUT
             )
         assert status.run_id == run_id
-        assert status.config_hash == config_hash(RunConfig.from_dict(DEFAULT_RUN))
+        assert status.config_hash == config_hash(RunConfig())
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=10) == 0
     finally:
@@ -1006,7 +1051,7 @@ def test_node_ids_alone_grant_nothing(tmp_path):
             # Nothing moved: both nodes alive on the same epoch, no step, statistic or cut recorded.
             status = await h.status()
             assert status.plan_epoch == epoch and all(n.alive for n in status.nodes)
-            assert not status.steps and h.service.cut_requests == 0
+            assert not status.steps and h.service.ledger.cut_requests == 0
             assert h.service.state.statistics() == []
             # b itself, with its own credential, is heard.
             assert (await h.heartbeat(b.node_id, epoch)).known
@@ -1024,7 +1069,7 @@ def test_an_accused_neighbour_is_evicted_and_a_repeat_accuser_is_the_suspect(tmp
             d = await h.join("d")  # a standby
 
             def stages() -> dict[str, list[int]]:
-                return {n.name: n.stages for n in h.service.nodes.values() if n.alive}
+                return {n.name: n.stages for n in h.service.roster.nodes.values() if n.alive}
 
             await h.accuse(c, a)  # c and a are not neighbours (stages 2 and 0): nobody is evicted
             assert stages() == {"a": [0], "b": [1], "c": [2], "d": []}
@@ -1045,8 +1090,8 @@ def test_a_rejoining_offender_with_its_own_token_is_the_same_party(tmp_path):
 
     async def scenario() -> None:
         async with coordinator(tmp_path / "state.sqlite", tiny_config(n_stages=2)) as h:
-            honest_token, _ = h.service.tokens.create("honest")
-            offender_token, _ = h.service.tokens.create("offender")
+            honest_token, _ = h.service.gate.tokens.create("honest")
+            offender_token, _ = h.service.gate.tokens.create("offender")
             honest = await h.join("honest", token=honest_token)
 
             async def offender_accused(name: str) -> None:
@@ -1054,7 +1099,7 @@ def test_a_rejoining_offender_with_its_own_token_is_the_same_party(tmp_path):
                 await h.accuse(honest, offender)
 
             def alive() -> set[str]:
-                return {n.name for n in h.service.nodes.values() if n.alive}
+                return {n.name for n in h.service.roster.nodes.values() if n.alive}
 
             await offender_accused("x1")
             await offender_accused("x2")

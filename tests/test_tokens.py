@@ -78,11 +78,11 @@ def test_credentials_expire_renew_and_refuse_tampering(tmp_path: Path):
 def test_a_revoked_token_refuses_join_and_evicts_its_nodes(tmp_path: Path):
     async def scenario() -> None:
         async with coordinator(tmp_path / "state.sqlite") as h:
-            guest_token, record = h.service.tokens.create("guest")
+            guest_token, record = h.service.gate.tokens.create("guest")
             host = await h.join("host")
             guest = await h.join("guest", token=guest_token)
             assert (await h.heartbeat(guest.node_id)).known
-            h.service.tokens.revoke(record.id)  # what `swarm-coordinator token revoke` writes
+            h.service.gate.tokens.revoke(record.id)  # what `swarm-coordinator token revoke` writes
             assert await refused(h.heartbeat(guest.node_id)) == grpc.StatusCode.UNAUTHENTICATED
             assert h.sample("swarm_evictions_total", {"reason": "revoked"}) == 1
             nodes = {n.node_name: n for n in (await h.status()).nodes}
@@ -98,11 +98,11 @@ def test_heartbeats_renew_the_credential(tmp_path: Path):
         async with coordinator(tmp_path / "state.sqlite") as h:
             a = await h.join("a")
             assert (await h.heartbeat(a.node_id)).session == ""  # fresh: nothing to renew
-            now = h.service.sessions.clock()
-            h.service.sessions.clock = lambda: now + 0.75 * h.service.sessions.ttl_s
+            now = h.service.gate.sessions.clock()
+            h.service.gate.sessions.clock = lambda: now + 0.75 * h.service.gate.sessions.ttl_s
             renewed = (await h.heartbeat(a.node_id)).session
             assert renewed and renewed != a.session
-            h.service.sessions.clock = lambda: now + 1.5 * h.service.sessions.ttl_s
+            h.service.gate.sessions.clock = lambda: now + 1.5 * h.service.gate.sessions.ttl_s
             assert await refused(h.heartbeat(a.node_id)) == grpc.StatusCode.UNAUTHENTICATED  # expired
             request = coordinator_pb2.HeartbeatRequest(node_id=a.node_id)
             metadata = session_metadata(a.node_id, renewed)
@@ -181,7 +181,7 @@ def test_revoking_a_live_volunteers_token_evicts_it_and_the_run_completes(tmp_pa
 def test_a_token_of_another_run_is_refused(tmp_path: Path):
     async def scenario() -> None:
         async with coordinator(tmp_path / "a.sqlite") as run_a, coordinator(tmp_path / "b.sqlite") as run_b:
-            token_a, _ = run_a.service.tokens.create("volunteer of run a")
+            token_a, _ = run_a.service.gate.tokens.create("volunteer of run a")
             assert (await run_a.join("x", token=token_a)).node_id
             assert await refused(run_b.join("x", token=token_a)) == grpc.StatusCode.UNAUTHENTICATED
             assert not (await run_b.status()).nodes

@@ -161,6 +161,9 @@ class TrainConfig:
     weight_decay: float = 0.01
     grad_clip: float = 1.0
     stiefel_lr: float = 0.01
+    # MAPL projections' optimizer: "sgd" (StiefelSGD) or "adam" (StiefelAdam); both take stiefel_lr
+    # as the per-entry step size (Adam's steps shrink below it when gradients disagree).
+    stiefel_optimizer: str = "sgd"
     eval_every: int = 50
     seed: int = 0
     schedule: str = "gpipe"  # microbatch order per stage: "gpipe" or "1f1b" (PipeDream-flush)
@@ -172,9 +175,14 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"train.schedule={self.schedule!r} must be one of {SCHEDULES}")
+        if self.stiefel_optimizer not in STIEFEL_OPTIMIZERS:
+            raise ValueError(
+                f"train.stiefel_optimizer={self.stiefel_optimizer!r} must be one of {STIEFEL_OPTIMIZERS}"
+            )
 
 
 SCHEDULES = ("gpipe", "1f1b")
+STIEFEL_OPTIMIZERS = ("sgd", "adam")
 
 
 @dataclass
@@ -201,7 +209,11 @@ class DataConfig:
 
 @dataclass
 class RunConfig:
-    """Everything that defines a run; the unit the coordinator serves and hashes."""
+    """Everything that defines a run; the unit the coordinator serves and hashes.
+
+    The defaults are the embedded default run (``swarm train``/``swarm up`` without ``--config``,
+    ``swarm-coordinator serve`` without ``--config``): the small preset, subspace bf16 both ways, 4 stages.
+    """
 
     model: ModelConfig = field(default_factory=ModelConfig)
     codec: CodecConfig = field(default_factory=CodecConfig)
@@ -210,7 +222,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
-    n_stages: int = 2
+    n_stages: int = 4
 
     def __post_init__(self) -> None:
         if not 1 <= self.n_stages <= self.model.n_layers:

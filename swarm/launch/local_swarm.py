@@ -20,6 +20,7 @@ back), so the run keeps its standbys; the summary reports what each kill cost.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import re
 import secrets
@@ -38,6 +39,7 @@ from typing import TYPE_CHECKING
 from tqdm import tqdm
 
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
+from swarm.coordinator.settings import CoordinatorSettings
 from swarm.launch.chaos import ChaosMonkey
 from swarm.net.tls import INSECURE, Security, cli_flags
 
@@ -162,7 +164,7 @@ def up(
     link_latency_ms: float = 0.0,
     device: str = "cpu",
     use_dht: bool = True,
-    dead_after: float = 15.0,
+    dead_after: float = CoordinatorSettings.dead_after_s,
     progress: bool = True,
     timeout: float = 3600.0,
     launch_prefix: Callable[[int], list[str]] | None = None,
@@ -193,127 +195,193 @@ def up(
     nodes = nodes or -(-config.n_stages // stages_per_node)
     if nodes * stages_per_node < config.n_stages:
         raise ValueError(f"{nodes} nodes x {stages_per_node} stages cannot host {config.n_stages} stages")
-    (run / "run.toml").write_text(config.to_toml())
-    state_path = run / "coordinator.sqlite"
-    state_path.unlink(missing_ok=True)
     token = secrets.token_hex(16)
     status_socket = Path(tempfile.gettempdir()) / f"swarm-status-{token[:16]}.sock"
-    group = ProcessGroup()
-    py = sys.executable
     security, flags = _transport_security(run, tls, coordinator_host, node_host is not None)
+    launch = _Launch(run, ProcessGroup(), {"SWARM_TOKEN": token}, flags, use_dht, metrics_base_port)
     try:
-        coord_lines: list[str] = []
-        coord_args = [*(coordinator_prefix or []), py, "-m", "swarm.coordinator.cli", "serve"]
-        coord_args += ["--config", str(run / "run.toml"), "--port", "0", "--state", str(state_path)]
-        coord_metrics = -1 if metrics_base_port is None else metrics_base_port
-        coord_args += [
-            "--metrics-port",
-            str(coord_metrics),
-            "--dead-after",
-            str(dead_after),
-        ]
-        coord_args += ["--host", coordinator_host] if coordinator_host else []
-        coord_args += [] if use_dht else ["--no-dht"]
-        coord_args += flags("coordinator")
-        secret = {"SWARM_TOKEN": token}  # in the environment: a command line is visible in ps
-        coord = group.start(coord_args, run / "coordinator.err", env=secret)
-        tee(coord, run / "coordinator.log", coord_lines)
-        address = wait_for_line(coord_lines, LISTENING, coord, 60).group(1)
+        address = _start_coordinator(launch, config, coordinator_prefix or [], coordinator_host, dead_after)
         status_address = address
         if coordinator_prefix:
-            relay_lines: list[str] = []
-            relay_args = [
-                *coordinator_prefix,
-                py,
-                "-m",
-                "swarm.launch.local_swarm",
-                "relay",
-                str(status_socket),
-            ]
-            relay_args.append(address)
-            relay_proc = group.start(relay_args, run / "relay.err")
-            tee(relay_proc, run / "relay.log", relay_lines)
-            status_address = wait_for_line(relay_lines, RELAYING, relay_proc, 60).group(1)
-        node_procs, logs = [], []
-
-        def start_node(i: int) -> None:
-            args = [*(launch_prefix(i) if launch_prefix else []), py, "-m", "swarm.node.cli", "join"]
-            args += ["--coordinator", address]
-            args += ["--listen", f"{node_host(i)}:0"] if node_host else []
-            args += [
-                "--stages",
-                str(stages_per_node),
-                "--data-dir",
-                str(run / f"node{i}"),
-                "--device",
-                device,
-            ]
-            args += [
-                "--link-mbps",
-                str(link_mbps),
-                "--link-latency-ms",
-                str(link_latency_ms),
-                "--name",
-                f"node{i}",
-            ]
-            args += [] if use_dht else ["--no-dht"]
-            args += flags(f"node{i}")
-            if metrics_base_port is not None:
-                args += ["--metrics-port", str(metrics_base_port + 1 + i)]
-            proc = group.start(args, run / f"node{i}.err", env=secret)
-            tee(proc, run / f"node{i}.log", [])
-            node_procs.append(proc)
-            logs.append(run / f"node{i}.log")
-
-        for i in range(nodes + standbys):
-            start_node(i)
+            status_address = _start_relay(launch, coordinator_prefix, status_socket, address)
+        swarm = _Nodes(
+            launch, address, stages_per_node, device, link_mbps, link_latency_ms, launch_prefix, node_host
+        )
+        for _ in range(nodes + standbys):
+            swarm.start()
         if metrics_base_port is not None:
-            host = coordinator_host or "127.0.0.1"
-            print(f"metrics: coordinator http://{host}:{metrics_base_port}/metrics (run JSON at /status)")
-            for i in range(nodes + standbys):
-                node_at = node_host(i) if node_host else "127.0.0.1"
-                print(f"metrics: node{i} http://{node_at}:{metrics_base_port + 1 + i}/metrics")
+            _print_metrics(metrics_base_port, coordinator_host or "127.0.0.1", swarm)
         start = time.monotonic()
         poller = StatusPoller(status_address, security, coordinator_host or "127.0.0.1")
         chaos = ChaosMonkey(chaos_s, chaos_seed) if chaos_s > 0 else None
-        killed: set[int] = set()
-
-        def churn() -> None:
-            """When due, kill a random stage host (kill -9) and start a fresh node in its place."""
-            chaos.observe({s.step: s.completed_at for s in poller.steps})
-            hosts = [n.node_name for n in poller.nodes if n.alive and n.stages]
-            if not chaos.due() or not hosts or poller.run_complete:
-                return
-            name = chaos.pick(hosts)
-            index = int(name.removeprefix("node"))
-            node_procs[index].kill()
-            killed.add(index)
-            chaos.killed(name, len(poller.steps) - 1)
-            start_node(len(node_procs))
-
+        churn = functools.partial(_churn, chaos, poller, swarm) if chaos else None
         try:
-            _follow(config, poller, node_procs, progress, timeout, killed, churn if chaos else None)
+            _follow(config, poller, swarm.procs, progress, timeout, swarm.killed, churn)
         finally:
             poller.close()
-        seconds = time.monotonic() - start
-        failed = [
-            (i, p.returncode)
-            for i, p in enumerate(node_procs)
-            if p.returncode not in (0, None) and i not in killed
-        ]
-        if failed:
-            detail = "\n".join(f"node{i}: {_last_error(run / f'node{i}.err')}" for i, _ in failed)
-            raise RuntimeError(f"nodes failed (index, exit code): {failed}; logs in {run}\n{detail}")
-        summary = _summary(config, poller.steps, seconds, logs)
-        summary.epochs_restarted = poller.epochs_restarted
-        if chaos is not None:
-            chaos.observe({s.step: s.completed_at for s in poller.steps})
-            summary.chaos = chaos.summary() | {"kills_detail": [vars(k) for k in chaos.kills]}
-        return summary
+        return _result(config, swarm, poller, chaos, time.monotonic() - start)
     finally:
-        group.stop()
+        launch.group.stop()
         if coordinator_prefix:
             status_socket.unlink(missing_ok=True)
+
+
+def _python_m(module: str) -> list[str]:
+    """The command that runs ``module`` with this interpreter."""
+    return [sys.executable, "-m", module]
+
+
+@dataclass
+class _Launch:
+    """What the processes of one ``up`` share: the run folder, their group, the token, TLS flags, the
+    DHT, metrics ports (the coordinator's; node ``i`` serves on the next port + ``i``; None: none)."""
+
+    run: Path
+    group: ProcessGroup
+    secret: dict[str, str]  # the join token, in the environment: a command line is visible in ps
+    flags: Callable[[str], list[str]]  # the TLS flags of a certificate name
+    use_dht: bool
+    metrics_base_port: int | None
+
+    def start(self, name: str, args: list[str], secret: bool) -> tuple[subprocess.Popen, list[str]]:
+        """Start process ``name`` (``name.err``, ``name.log`` in the run folder); it and its stdout lines."""
+        lines: list[str] = []
+        proc = self.group.start(args, self.run / f"{name}.err", env=self.secret if secret else None)
+        tee(proc, self.run / f"{name}.log", lines)
+        return proc, lines
+
+
+def _start_coordinator(
+    launch: _Launch,
+    config: RunConfig,
+    prefix: list[str],
+    host: str | None,
+    dead_after: float,
+) -> str:
+    """Serve ``config`` from a fresh state file behind ``prefix``; the gRPC address once it listens."""
+    from swarm.coordinator.cli import serve_command  # not at import: the relay process has no torch
+
+    (launch.run / "run.toml").write_text(config.to_toml())
+    state = launch.run / "coordinator.sqlite"
+    state.unlink(missing_ok=True)
+    args = serve_command(
+        config=launch.run / "run.toml",
+        host=host,
+        port=0,
+        state=state,
+        metrics_port=-1 if launch.metrics_base_port is None else launch.metrics_base_port,
+        dead_after=dead_after,
+        use_dht=launch.use_dht,
+        security=launch.flags("coordinator"),
+    )
+    proc, lines = launch.start("coordinator", [*prefix, *_python_m("swarm.coordinator.cli"), *args], True)
+    return wait_for_line(lines, LISTENING, proc, 60).group(1)
+
+
+def _start_relay(launch: _Launch, prefix: list[str], socket: Path, address: str) -> str:
+    """A :func:`relay` from ``socket`` to ``address`` behind ``prefix``; the address to poll through."""
+    args = [*prefix, *_python_m("swarm.launch.local_swarm"), "relay", str(socket), address]
+    proc, lines = launch.start("relay", args, False)
+    return wait_for_line(lines, RELAYING, proc, 60).group(1)
+
+
+@dataclass
+class _Nodes:
+    """The node processes of one ``up``: ``node{i}`` is the ``i``-th started; killed ones are kept."""
+
+    launch: _Launch
+    coordinator: str
+    stages: int
+    device: str
+    link_mbps: float
+    link_latency_ms: float
+    prefix: Callable[[int], list[str]] | None = None
+    host: Callable[[int], str] | None = None
+    procs: list[subprocess.Popen] = field(default_factory=list)
+    killed: set[int] = field(default_factory=set)
+
+    def start(self) -> None:
+        """Start the next node."""
+        from swarm.node.cli import join_command  # not at import: the relay process has no torch
+
+        i = len(self.procs)
+        args = join_command(
+            self.coordinator,
+            listen=f"{self.host(i)}:0" if self.host else None,
+            stages=self.stages,
+            data_dir=self.launch.run / f"node{i}",
+            device=self.device,
+            link_mbps=self.link_mbps,
+            link_latency_ms=self.link_latency_ms,
+            name=f"node{i}",
+            use_dht=self.launch.use_dht,
+            metrics_port=self.metrics_port(i),
+            security=self.launch.flags(f"node{i}"),
+        )
+        prefix = self.prefix(i) if self.prefix else []
+        proc, _ = self.launch.start(f"node{i}", [*prefix, *_python_m("swarm.node.cli"), *args], True)
+        self.procs.append(proc)
+
+    def metrics_port(self, i: int) -> int | None:
+        base = self.launch.metrics_base_port
+        return None if base is None else base + 1 + i
+
+    def address(self, i: int) -> str:
+        """The host node ``i`` binds."""
+        return self.host(i) if self.host else "127.0.0.1"
+
+    def kill(self, name: str) -> None:
+        """``kill -9`` node ``name``."""
+        index = int(name.removeprefix("node"))
+        self.procs[index].kill()
+        self.killed.add(index)
+
+    def failed(self) -> list[tuple[int, int]]:
+        """(index, exit code) of the nodes that failed on their own."""
+        return [
+            (i, p.returncode)
+            for i, p in enumerate(self.procs)
+            if p.returncode not in (0, None) and i not in self.killed
+        ]
+
+    @property
+    def logs(self) -> list[Path]:
+        return [self.launch.run / f"node{i}.log" for i in range(len(self.procs))]
+
+
+def _print_metrics(base_port: int, coordinator_host: str, swarm: _Nodes) -> None:
+    print(f"metrics: coordinator http://{coordinator_host}:{base_port}/metrics (run JSON at /status)")
+    for i in range(len(swarm.procs)):
+        print(f"metrics: node{i} http://{swarm.address(i)}:{swarm.metrics_port(i)}/metrics")
+
+
+def _churn(chaos: ChaosMonkey, poller: StatusPoller, swarm: _Nodes) -> None:
+    """When due, kill a random stage host (kill -9) and start a fresh node in its place."""
+    chaos.observe({s.step: s.completed_at for s in poller.steps})
+    hosts = [n.node_name for n in poller.nodes if n.alive and n.stages]
+    if not chaos.due() or not hosts or poller.run_complete:
+        return
+    name = chaos.pick(hosts)
+    swarm.kill(name)
+    chaos.killed(name, len(poller.steps) - 1)
+    swarm.start()
+
+
+def _result(
+    config: RunConfig, swarm: _Nodes, poller: StatusPoller, chaos: ChaosMonkey | None, seconds: float
+) -> SwarmSummary:
+    """The run's summary; RuntimeError (with each failed node's telling line) if a node failed."""
+    failed = swarm.failed()
+    if failed:
+        run = swarm.launch.run
+        detail = "\n".join(f"node{i}: {_last_error(run / f'node{i}.err')}" for i, _ in failed)
+        raise RuntimeError(f"nodes failed (index, exit code): {failed}; logs in {run}\n{detail}")
+    summary = _summary(config, poller.steps, seconds, swarm.logs)
+    summary.epochs_restarted = poller.epochs_restarted
+    if chaos is not None:
+        chaos.observe({s.step: s.completed_at for s in poller.steps})
+        summary.chaos = chaos.summary() | {"kills_detail": [vars(k) for k in chaos.kills]}
+    return summary
 
 
 async def relay(socket_path: str, target: str) -> None:

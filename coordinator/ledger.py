@@ -1,0 +1,147 @@
+"""The run's history: plan epochs, the checkpoint cuts they resume from, the microbatches each deals.
+
+A new epoch resumes from the latest complete cut whose snapshots all verify; snapshot records
+past that cut are dropped (those steps will be redone), so every cut the ledger holds comes from
+one history. Only the newest ``checkpoint.keep`` complete cuts are kept (and the current epoch's,
+which a late joiner restores from). Epochs, resume steps and snapshot records are written through
+to the state file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import logging
+from collections.abc import Sequence
+
+from swarm.coordinator.assignment import Owners
+from swarm.coordinator.state import CheckpointRecord, CoordinatorState, RunRecord
+from swarm.coordinator.store import ArtifactStore
+
+from swarm._proto.swarm.v1 import coordinator_pb2
+from swarm.core.config import RunConfig
+from swarm.ops.metrics import Metrics
+from swarm.runtime.replicas import deal
+
+log = logging.getLogger("swarm.coordinator")
+
+
+class Ledger:
+    """The plan epoch of ``run`` and its snapshot records (their artifacts in ``store``)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        run: RunRecord,
+        state: CoordinatorState,
+        store: ArtifactStore,
+        metrics: Metrics,
+    ):
+        self.config, self.state, self.store, self.metrics = config, state, store, metrics
+        self.run_id, self.plan_epoch = run.id, run.plan_epoch
+        self.link_key = run.auth_token.encode()  # the run's secret: boundary link secrets derive from it
+        self.resume_step, self.restarts = run.resume_step, run.restarts
+        self.checkpoints = {(r.step, r.stage): r for r in state.checkpoints()}
+        self.dealt: list[dict[int, str]] = []  # per stage: microbatch -> the replica processing it
+        self.cut_requests = 0  # final cuts asked for by leaving nodes
+        self._cut_shown = -1  # the complete cut the checkpoint metrics describe
+
+    def deal(self, owners: Owners, rates: Sequence[Sequence[float]]) -> None:
+        """Deal each stage's microbatches among its hosts by their rates, for this epoch."""
+        self.dealt = []
+        for hosts, stage_rates in zip(owners, rates, strict=True):
+            shares = deal(self.config.train.microbatches, list(stage_rates)) if hosts else []
+            self.dealt.append({mb: node for node, mbs in zip(hosts, shares, strict=True) for mb in mbs})
+
+    def microbatches(self, stage: int, node_id: str) -> list[int]:
+        """The microbatches of ``stage`` dealt to ``node_id`` this epoch, ascending."""
+        return sorted(mb for mb, owner in self.dealt[stage].items() if owner == node_id)
+
+    def start_epoch(self, reason: str, progressed: bool) -> None:
+        """A new plan epoch, resuming from the latest verified cut; later snapshot records are dropped.
+
+        ``progressed``: whether any step completed (then the epoch counts as a restart).
+        """
+        cut = self._latest_verified_cut()
+        self._forget([r for r in self.checkpoints.values() if r.step > cut])
+        restarted = progressed or self.resume_step > 0
+        self.plan_epoch, self.resume_step = self.plan_epoch + 1, cut + 1
+        self.restarts += int(restarted)
+        self.state.set_epoch(self.plan_epoch, self.resume_step, self.restarts)
+        self.metrics.plan_epoch.set(self.plan_epoch)
+        log.info("plan epoch %d (%s): resume at step %d", self.plan_epoch, reason, self.resume_step)
+
+    def link_secret(self, boundary: int, up: str, down: str) -> str:
+        """The secret of the link from ``up`` to ``down`` across ``boundary``, this epoch."""
+        ends = f"{self.run_id}/{self.plan_epoch}/{boundary}/{up}/{down}".encode()
+        return hmac.new(self.link_key, ends, hashlib.sha256).hexdigest()
+
+    def restore(self, stages: Sequence[int]) -> list[coordinator_pb2.StageCheckpoint]:
+        """The snapshots ``stages`` resume from this epoch (none when it starts at step 0)."""
+        if self.resume_step <= 0:
+            return []
+        records = [self.checkpoints[(self.resume_step - 1, s)] for s in stages]
+        return [
+            coordinator_pb2.StageCheckpoint(stage=r.stage, step=r.step, digest=r.digest, size=r.size)
+            for r in records
+        ]
+
+    def add_checkpoint(self, record: CheckpointRecord) -> int | None:
+        """Record an uploaded snapshot and prune old cuts; the newest complete cut when it is new."""
+        self.checkpoints[(record.step, record.stage)] = record
+        self.state.add_checkpoint(record)
+        self._prune_cuts()
+        cut = self.latest_cut()
+        if cut < 0 or cut == self._cut_shown:
+            return None
+        self._cut_shown = cut
+        self.metrics.checkpointed(cut)
+        return cut
+
+    def records(self) -> list[CheckpointRecord]:
+        return list(self.checkpoints.values())
+
+    def latest_cut(self) -> int:
+        """The newest complete cut (-1: none)."""
+        cuts = self._complete_cuts()
+        return cuts[0] if cuts else -1
+
+    def _complete_cuts(self) -> list[int]:
+        """Steps every stage has a snapshot record of, newest first."""
+        counts: dict[int, int] = {}
+        for step, _ in self.checkpoints:
+            counts[step] = counts.get(step, 0) + 1
+        return sorted((s for s, n in counts.items() if n == self.config.n_stages), reverse=True)
+
+    def _latest_verified_cut(self) -> int:
+        """The newest complete cut whose snapshots all pass their hash check (-1: none).
+
+        A snapshot that fails is deleted with its record, so its cut is never offered again.
+        """
+        for step in self._complete_cuts():
+            records = [self.checkpoints[(step, s)] for s in range(self.config.n_stages)]
+            bad = [r for r in records if self.store.read(r.digest) is None]
+            if not bad:
+                return step
+            for r in bad:
+                self.metrics.rejected.labels(reason="corrupt_snapshot").inc()
+                log.warning("snapshot of stage %d at step %d failed its hash check", r.stage, r.step)
+            self._forget(bad)
+        return -1
+
+    def _forget(self, records: list[CheckpointRecord]) -> None:
+        """Drop snapshot records, and their artifacts when no other record names them."""
+        for r in records:
+            self.checkpoints.pop((r.step, r.stage), None)
+        self.state.remove_checkpoints(records)
+        kept = {r.digest for r in self.checkpoints.values()}
+        for key in {r.digest for r in records} - kept:
+            self.store.remove(key)
+
+    def _prune_cuts(self) -> None:
+        """Keep the newest ``checkpoint.keep`` complete cuts (and anything newer)."""
+        cuts = self._complete_cuts()
+        if len(cuts) > self.config.checkpoint.keep:
+            oldest_kept = cuts[self.config.checkpoint.keep - 1]
+            restore = self.resume_step - 1  # the current epoch's cut: a late joiner still needs it
+            self._forget([r for r in self.checkpoints.values() if r.step < oldest_kept and r.step != restore])

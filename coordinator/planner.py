@@ -1,0 +1,143 @@
+"""The plan: who hosts which stage this epoch, and what each node is told.
+
+Every change of stage owners goes through :meth:`Planner.replan`, the one place that reassigns
+stages: free stages go to standbys (join order), then, when the run allows replicas, the remaining
+standbys that can average become replicas of the weakest stages. When the owners change a new
+plan epoch starts (:meth:`Planner.new_epoch`, also started when a node reports a broken boundary
+or a replica averages at a new address). Nothing here awaits: the handlers share one event loop,
+so the in-memory plan needs no lock. Once the run is complete, membership changes no longer
+replan it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from swarm.coordinator.assignment import Owners, add_replicas, assign, links_for
+from swarm.coordinator.ledger import Ledger
+from swarm.coordinator.progress import Progress
+from swarm.coordinator.roster import Roster
+from swarm.coordinator.state import NodeRecord
+
+from swarm._proto.swarm.v1 import coordinator_pb2
+from swarm.core.config import RunConfig
+
+
+class Planner:
+    """Plans the ``roster``'s stages into the ``ledger``'s epochs; ``ended(node_id)`` is told when a
+    node leaves the run (its streams end)."""
+
+    def __init__(
+        self,
+        config: RunConfig,
+        roster: Roster,
+        ledger: Ledger,
+        progress: Progress,
+        ended: Callable[[str], None],
+    ):
+        self.config, self.roster, self.ledger, self.progress = config, roster, ledger, progress
+        self.ended = ended
+        self._deal()
+
+    def evict(self, node: NodeRecord) -> None:
+        """Take ``node`` out of the run (it left, died or was evicted) and replan without it."""
+        self.ended(node.id)
+        before = self.roster.owners()
+        self.roster.retire(node)
+        self.replan(before)
+
+    def replan(self, before: Owners) -> None:
+        """Reassign stages (the one place that does); a new epoch when the owners differ from ``before``."""
+        if not self.progress.run_complete:
+            owners = assign(self.roster.owners(), self.roster.standbys())
+            if self.config.train.replicas > 1:
+                owners = self._add_replicas(owners)
+            self.roster.host(owners)
+            if owners != before:
+                self.new_epoch("stage owners changed")
+        self.roster.show_alive()
+
+    def new_epoch(self, reason: str) -> None:
+        """Start a plan epoch with the current owners (microbatches dealt anew)."""
+        self._deal()
+        self.ledger.start_epoch(reason, progressed=self.progress.completed >= 0)
+
+    def heard(self, node: NodeRecord, request: coordinator_pb2.HeartbeatRequest) -> None:
+        """Note a heartbeat. Its capacity and averaging address matter to replicas: standbys that can
+        average may now become replicas; a replica whose address changed (it restarted its P2P, or
+        this coordinator restarted) needs a plan that carries the new one."""
+        self.roster.heard(node, request)
+        if self.config.train.replicas <= 1:
+            return
+        moved = self.roster.averages_at(node.id, request.averaging_address[:1024])
+        owners = self.roster.owners()
+        if moved and any(len(owners[s]) > 1 for s in node.stages):
+            self.new_epoch(f"node {node.id[:8]} averages at a new address")
+        elif self.roster.standby_can_average():
+            self.replan(owners)
+
+    def plan_for(self, node: NodeRecord) -> coordinator_pb2.Plan:
+        """``node``'s plan this epoch: its stages, links, snapshots to restore and every stage's replicas."""
+        return coordinator_pb2.Plan(
+            epoch=self.ledger.plan_epoch,
+            stages=node.stages,
+            links=self._links(node.id),
+            resume_step=self.ledger.resume_step,
+            restore=self.ledger.restore(node.stages),
+            replicas=self._replicas(),
+        )
+
+    def neighbours(self, node_id: str, other_id: str) -> bool:
+        """Whether the current plan joins the two nodes across a boundary, or as replicas of a
+        stage (which average with each other)."""
+        shared = any(other_id in hosts and node_id in hosts for hosts in self.roster.owners())
+        return shared or any(link.peer_node_id == other_id for link in self._links(node_id))
+
+    def _deal(self) -> None:
+        owners = self.roster.owners()
+        self.ledger.deal(owners, self.roster.rates(owners))
+
+    def _add_replicas(self, owners: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+        """Standbys that can average (a P2P address) join the stages of least measured capacity,
+        once every host has measured its own (placing blindly could feed a stage that is not the
+        bottleneck); a stage whose hosts cannot all average takes none."""
+        capacity, averaging = self.roster.capacity, self.roster.averaging
+        hosting = {n for hosts in owners for n in hosts}
+        if any(capacity.get(n, 0.0) <= 0 for n in hosting):
+            return owners
+        waiting = [
+            n.id
+            for n in self.roster.nodes.values()
+            if n.alive and n.id not in hosting and averaging.get(n.id)
+        ]
+        closed = [s for s, hosts in enumerate(owners) if not all(averaging.get(n) for n in hosts)]
+        measured = {n: capacity.get(n, 0.0) for hosts in owners for n in hosts}
+        return add_replicas(owners, waiting, measured, self.config.train.replicas, closed)
+
+    def _links(self, node_id: str) -> list[coordinator_pb2.BoundaryLink]:
+        """``node_id``'s dial plan, each boundary with its secret for this epoch (``link_secret``)."""
+        links = links_for(node_id, self.roster.owners(), self.roster.addresses())
+        for link in links:
+            if link.peer_node_id:
+                b = link.boundary
+                up, down = (
+                    (node_id, link.peer_node_id) if link.local_stage == b else (link.peer_node_id, node_id)
+                )
+                link.link_secret = self.ledger.link_secret(b, up, down)
+                link.peer_certificate = self.roster.certificate_of.get(link.peer_node_id, "")
+        return links
+
+    def _replicas(self) -> list[coordinator_pb2.StageReplicas]:
+        """Every stage's replicas with their microbatches (as dealt at the epoch's start)."""
+        stages = []
+        for s, hosts in enumerate(self.roster.owners()):
+            replicas = [
+                coordinator_pb2.StageReplica(
+                    node_id=n,
+                    microbatches=self.ledger.microbatches(s, n),
+                    averaging_address=self.roster.averaging.get(n, "") if len(hosts) > 1 else "",
+                )
+                for n in hosts
+            ]
+            stages.append(coordinator_pb2.StageReplicas(stage=s, replicas=replicas))
+        return stages

@@ -1,0 +1,31 @@
+"""The coordinator's tunables and their defaults, in one place.
+
+The command lines that start a coordinator (``swarm-coordinator serve``, ``swarm up``) read their
+defaults from :class:`CoordinatorSettings`, so a default is written once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class CoordinatorSettings:
+    """How one coordinator judges liveness, credentials and uploads.
+
+    ``dead_after_s``: silence before a node is declared dead (short reassigns a dead node's stages
+    sooner, but declares a node on a congested link dead); ``heartbeat_interval_ms``: how often nodes
+    are told to heartbeat; ``session_ttl_s``: lifetime of a session credential (heartbeats renew it
+    at half); ``resume_grace_s``: a restarted coordinator gives the nodes that were alive at least this
+    long to heartbeat again; ``probe_timeout_s``: a node that does not answer a Ping this fast after a
+    failure report is dead; ``max_snapshot_bytes``: the largest stage snapshot accepted;
+    ``export_wait_s``: how long a stopping coordinator waits for the final model to be written.
+    """
+
+    dead_after_s: float = 15.0
+    heartbeat_interval_ms: int = 1000
+    session_ttl_s: float = 3600.0
+    resume_grace_s: float = 10.0
+    probe_timeout_s: float = 2.0
+    max_snapshot_bytes: int = 16 << 30
+    export_wait_s: float = 120.0
