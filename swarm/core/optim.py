@@ -1,9 +1,11 @@
 """Optimizers of a stage: AdamW for Euclidean parameters, a Riemannian step for Stiefel ones.
 
 The subspace constraint needs no special optimizer (it is a reparametrisation, see
-:mod:`swarm.core.model`). MAPL projections must stay orthonormal: :class:`StiefelSGD` takes
-the Riemannian gradient ``xi = G - A sym(A^T G)``, keeps a momentum in the tangent
-space, and retracts with a sign-fixed QR, so ``A^T A = I`` holds after every step.
+:mod:`swarm.core.model`). MAPL projections must stay orthonormal: both Stiefel optimizers
+take the Riemannian gradient ``xi = G - A sym(A^T G)``, keep their first moment in the
+tangent space (transported by re-projection onto the current point's tangent space), and
+retract with a sign-fixed QR, so ``A^T A = I`` holds after every step. Both are
+deterministic functions of the (summed) gradient: the two copies of a boundary step alike.
 """
 
 from __future__ import annotations
@@ -29,7 +31,22 @@ def qr_retraction(y: torch.Tensor) -> torch.Tensor:
     return q * torch.sign(torch.sign(torch.diagonal(r)) + 0.5)
 
 
-class StiefelSGD(torch.optim.Optimizer):
+class _StiefelOptimizer(torch.optim.Optimizer):
+    """A Riemannian step ``A <- qr(A - update)``; subclasses compute the tangent update (lr included)."""
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for a in group["params"]:
+                if a.grad is not None:
+                    update = self._update(a, tangent_projection(a, a.grad), self.state[a], group)
+                    a.copy_(qr_retraction(a - update))
+
+    def _update(self, a: torch.Tensor, xi: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class StiefelSGD(_StiefelOptimizer):
     """Riemannian SGD with momentum on matrices with orthonormal columns.
 
     The step is normalised by the RMS of the momentum, so ``lr`` is roughly how far each
@@ -40,19 +57,44 @@ class StiefelSGD(torch.optim.Optimizer):
     def __init__(self, params, lr: float = 1e-3, momentum: float = 0.9, eps: float = 1e-12):
         super().__init__(params, {"lr": lr, "momentum": momentum, "eps": eps})
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            for a in group["params"]:
-                if a.grad is None:
-                    continue
-                xi = tangent_projection(a, a.grad)
-                state = self.state[a]
-                buf = state.get("momentum")
-                buf = xi if buf is None else group["momentum"] * tangent_projection(a, buf) + xi
-                state["momentum"] = buf
-                rms = buf.pow(2).mean().sqrt()
-                a.copy_(qr_retraction(a - group["lr"] * buf / (rms + group["eps"])))
+    def _update(self, a: torch.Tensor, xi: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        buf = state.get("momentum")
+        buf = xi if buf is None else group["momentum"] * tangent_projection(a, buf) + xi
+        state["momentum"] = buf
+        return group["lr"] * buf / (buf.pow(2).mean().sqrt() + group["eps"])
+
+
+class StiefelAdam(_StiefelOptimizer):
+    """Riemannian Adam on matrices with orthonormal columns (Becigneul & Ganea, 2019).
+
+    The first moment is an EMA of Riemannian gradients, re-projected onto the tangent space
+    at each new point; the second moment is one scalar per matrix (the EMA of the gradient's
+    mean square: the manifold's metric, so the direction stays tangent and invariant to
+    rotations of the columns). Both are bias-corrected as in Adam. Unlike :class:`StiefelSGD`,
+    the step shrinks when successive gradients disagree (near an optimum, or under noise):
+    ``lr`` is about the largest RMS step per entry, not the step. ``betas[1]`` is short (0.95,
+    as the stage's AdamW): a boundary gradient's scale falls by orders of magnitude during
+    training, and a long memory of early, larger gradients would stall the projection.
+    """
+
+    def __init__(
+        self, params, lr: float = 1e-3, betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-12
+    ):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+
+    def _update(self, a: torch.Tensor, xi: torch.Tensor, state: dict, group: dict) -> torch.Tensor:
+        beta1, beta2 = group["betas"]
+        if not state:
+            state.update(step=0, exp_avg=torch.zeros_like(a), exp_avg_sq=a.new_zeros(()))
+        state["step"] += 1
+        t = state["step"]
+        state["exp_avg"] = beta1 * tangent_projection(a, state["exp_avg"]) + (1 - beta1) * xi
+        state["exp_avg_sq"] = beta2 * state["exp_avg_sq"] + (1 - beta2) * xi.pow(2).mean()
+        denom = state["exp_avg_sq"].sqrt() / math.sqrt(1 - beta2**t) + group["eps"]
+        return group["lr"] * state["exp_avg"] / (1 - beta1**t) / denom
+
+
+_STIEFEL_CLASSES: dict[str, type[_StiefelOptimizer]] = {"sgd": StiefelSGD, "adam": StiefelAdam}
 
 
 @dataclass
@@ -60,7 +102,7 @@ class StageOptimizer:
     """The optimizers of one stage, stepped together under one learning-rate schedule."""
 
     adamw: torch.optim.AdamW | None
-    stiefel: StiefelSGD | None
+    stiefel: StiefelSGD | StiefelAdam | None
     config: TrainConfig
 
     @property
@@ -92,7 +134,8 @@ class StageOptimizer:
 
 
 def build_optimizer(modules: list[nn.Module], config: TrainConfig) -> StageOptimizer:
-    """AdamW (decay on matrices only) for Euclidean parameters, StiefelSGD for ``stiefel`` ones."""
+    """AdamW (decay on matrices only) for Euclidean parameters; for ``stiefel`` ones, the Stiefel
+    optimizer ``config.stiefel_optimizer`` names, at ``config.stiefel_lr`` (both scale steps per entry)."""
     decay, no_decay, stiefel = [], [], []
     for module in modules:
         for name, p in module.named_parameters():
@@ -109,7 +152,8 @@ def build_optimizer(modules: list[nn.Module], config: TrainConfig) -> StageOptim
             {"params": no_decay, "weight_decay": 0.0, "base_lr": config.lr},
         ]
         adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr, betas=(0.9, 0.95))
-    sgd = None
+    riemannian = None
     if stiefel:
-        sgd = StiefelSGD([{"params": stiefel, "base_lr": config.stiefel_lr}], lr=config.stiefel_lr)
-    return StageOptimizer(adamw, sgd, config)
+        kind = _STIEFEL_CLASSES[config.stiefel_optimizer]
+        riemannian = kind([{"params": stiefel, "base_lr": config.stiefel_lr}], lr=config.stiefel_lr)
+    return StageOptimizer(adamw, riemannian, config)
