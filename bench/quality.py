@@ -54,8 +54,10 @@ class Variant:
     codec: CodecConfig
     rotation: RotationConfig = field(default_factory=RotationConfig)
     lever: str = ""
+    stiefel_optimizer: str = "sgd"
 
     def config(self, train_cfg: TrainConfig, n_stages: int) -> RunConfig:
+        train_cfg = dataclasses.replace(train_cfg, stiefel_optimizer=self.stiefel_optimizer)
         return RunConfig(
             model=self.model, codec=self.codec, rotation=self.rotation, train=train_cfg, n_stages=n_stages
         )
@@ -142,6 +144,13 @@ def variants(model: ModelConfig, n_stages: int) -> list[Variant]:
         ),
         Variant(f"subspace k={k(32)} int8/token", sub(k(32)), codec("subspace", "int8_row")),
         Variant(f"MAPL r={k(32)}", dense, codec("mapl", mapl_rank=k(32), anchor_rank=k(32))),
+        Variant(
+            f"MAPL r={k(32)} + Riemannian Adam",
+            dense,
+            codec("mapl", mapl_rank=k(32), anchor_rank=k(32)),
+            lever="projections stepped by Riemannian Adam instead of SGD",
+            stiefel_optimizer="adam",
+        ),
         Variant("top-k (~30x)", dense, codec("identity", "topk", topk=max(1, d // 64))),
     ]
 

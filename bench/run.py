@@ -183,6 +183,7 @@ def plan(quick: bool) -> BenchPlan:
                 "subspace k=4 + parameter-matched FFN",
                 "subspace k=4 + rotation",
                 "MAPL r=8",
+                "MAPL r=8 + Riemannian Adam",
                 "subspace k=32",
             ],
             links=[Link("80 Mbit/s, 50 ms RTT", 80, 25), Link("200 Mbit/s, 50 ms RTT", 200, 25)],

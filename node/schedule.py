@@ -1,14 +1,12 @@
 """The microbatch schedule of one hosted stage over real boundary streams: GPipe or 1F1B.
 
-GPipe (``train.schedule = "gpipe"``): stage 0 sends every microbatch forward as soon as it
-is computed (sends are queued, so compute overlaps the wire); middle stages forward what
-arrives; the last stage computes the loss of all microbatches, then sends their
-gradients back in reverse order; every stage backpropagates gradients as they arrive.
-1F1B (``"1f1b"``, PipeDream-flush): stage s of P runs ``min(P - 1 - s, M)`` forwards,
-then alternates one forward and one backward, then drains the remaining backwards, so
-it holds at most ``P - s`` microbatches' activations instead of all ``M``; the gradients
-are GPipe's up to the order of fp32 accumulation. Then neighbours
-exchange boundary state (MAPL gradient shares, RVQ codebook deltas), the optimizer
+The order of a stage's passes (``train.schedule``) and its end of step come from
+:mod:`swarm.runtime.steps`, shared with the single-process pipeline; this module runs them
+against the links. Stage 0 forwards its microbatches in order and sends each frame as soon as it
+is computed (sends are queued, so compute overlaps the wire); other stages forward what arrives
+next; the last stage backpropagates the microbatch the order names, the others the gradient
+that arrives next. 1F1B's gradients are GPipe's up to the order of fp32 accumulation. Then
+neighbours exchange boundary state (MAPL gradient shares, RVQ codebook deltas), the optimizer
 steps, and a rotation announced for the next step is waited for and applied.
 
 With replicas (several nodes hosting one stage, :mod:`swarm.runtime.replicas`) a stage processes only
@@ -42,9 +40,9 @@ from swarm.node.links import BadFrameError, rejection_reason
 
 from swarm._proto.swarm.v1 import stage_pb2
 from swarm.codecs.base import PayloadError, StaleVersionError
-from swarm.core.mapl import pack_gradients, sum_gradients, unpack_gradients
 from swarm.ops.metrics import Metrics
 from swarm.runtime.replicas import Routes
+from swarm.runtime.steps import FORWARD, Receive, Send, end_step, run_over_links, stage_order
 from swarm.runtime.wire import ActivationFrame, BoundarySync, GradientFrame
 from swarm.runtime.worker import StageStats, StageWorker
 
@@ -240,19 +238,11 @@ class StageRunner:
         fwd_wire = bwd_wire = 0
         self._busy, self._forwarded = 0.0, []
         own = self.routes.own
-        one_f_one_b = w.config.train.schedule == "1f1b"
-        if one_f_one_b:
-            warmup = min(w.config.n_stages - 1 - w.index, len(own))
-            order = ["F"] * warmup + ["F", "B"] * (len(own) - warmup) + ["B"] * warmup
-        else:
-            order = ["F"] * len(own) + ["B"] * len(own)
-        forwards = iter(own)
-        for op in order:
-            if op == "F":
-                fwd_wire += await self._forward_next(step, next(forwards), chunks)
+        for kind, position in stage_order(w.config.train.schedule, w.config.n_stages, w.index, len(own)):
+            if kind == FORWARD:
+                fwd_wire += await self._forward_next(step, own[position], chunks)
             else:
-                # the last stage backpropagates in the order it forwarded (1F1B) or reversed (GPipe)
-                bwd_wire += await self._backward_next(step, 0 if one_f_one_b else -1)
+                bwd_wire += await self._backward_next(step, position)
         own_tokens = w.stats.tokens
         counts = StepCounts(
             w.stats.tokens, w.stats.loss_sum, w.stats.loss_count, fwd_wire, bwd_wire, self._cut
@@ -265,16 +255,8 @@ class StageRunner:
                 counts.loss_count,
             )
         cut = counts.cut
-        await self._exchange_mapl_shares(step)
-        stats = await asyncio.to_thread(w.optimizer_step, step)
-        delta = await asyncio.to_thread(w.codebook_delta)
-        if delta is not None:
-            await self.downstream.send(BoundarySync(step, w.index, codebook_delta=delta))
-        if self.upstream is not None and w.inbound.forward_format.name == "rvq":
-            # This step's delta, applied now: both sides end every step at the same codebook
-            # version, so a snapshot cut after it holds one consistent boundary state.
-            sync = await self._get(self._syncs_up, "codebook delta", step)
-            w.apply_codebook_delta(sync.codebook_delta)
+        receive = functools.partial(self._receive_sync, step)
+        stats = await run_over_links(end_step(w, step), self._send_sync, receive)
         seconds = time.perf_counter() - start
         self._observe(step, stats, seconds)
         self.metrics.live_microbatches.labels(str(w.index)).set(self._peak_live)
@@ -317,12 +299,12 @@ class StageRunner:
         self._peak_live = max(self._peak_live, w.live_microbatches)
         return 0 if w.is_last else await self._send_down(frame, self._cut)
 
-    async def _backward_next(self, step: int, last_stage_pick: int) -> int:
-        """The next microbatch backward (the last stage: the forwarded one at ``last_stage_pick``,
-        0 the oldest or -1 the newest; others: the next gradient to arrive); bytes sent."""
+    async def _backward_next(self, step: int, position: int) -> int:
+        """The next microbatch backward (the last stage: the ``position``-th it forwarded; others: the
+        next gradient to arrive); bytes sent."""
         w = self.worker
         if w.is_last:
-            grad = await self._compute("backward", w.backward, step, self._forwarded.pop(last_stage_pick))
+            grad = await self._compute("backward", w.backward, step, self._forwarded[position])
         else:
             sender, received = await self._get(self._gradients, "gradient", step)
             grad = await self._backward(step, sender, received)
@@ -373,24 +355,12 @@ class StageRunner:
             return error
         return BadFrameError(f"boundary {boundary}: bad frame from the peer: {error}", boundary, sender)
 
-    async def _exchange_mapl_shares(self, step: int) -> None:
-        """Send this side's MAPL gradient shares, add the neighbours' (the sum is identical on both)."""
-        w = self.worker
-        if "out" in w.mapl:
-            share = w.boundary_gradients("out")
-            await self.downstream.send(BoundarySync(step, w.index, mapl_gradients=pack_gradients(share)))
-        if "in" in w.mapl:
-            share_in = w.boundary_gradients("in")
-            await self.upstream.send(BoundarySync(step, w.index - 1, mapl_gradients=pack_gradients(share_in)))
-            peer = await self._get(self._syncs_up, "MAPL gradient share", step)
-            w.set_boundary_gradients(
-                "in", sum_gradients(unpack_gradients(peer.mapl_gradients, w.mapl["in"]), share_in)
-            )
-        if "out" in w.mapl:
-            peer = await self._get(self._syncs_down, "MAPL gradient share", step)
-            w.set_boundary_gradients(
-                "out", sum_gradients(share, unpack_gradients(peer.mapl_gradients, w.mapl["out"]))
-            )
+    async def _send_sync(self, send: Send) -> None:
+        await (self.downstream if send.downstream else self.upstream).send(send.sync)
+
+    async def _receive_sync(self, step: int, receive: Receive) -> BoundarySync:
+        queue = self._syncs_down if receive.downstream else self._syncs_up
+        return await self._get(queue, receive.what, step)
 
     def _observe(self, step: int, stats: StageStats, seconds: float) -> None:
         stage = str(self.index)

@@ -171,6 +171,6 @@ def test_every_compose_command_parses_with_the_real_cli(services: dict[str, Any]
             args = coordinator_cli.build_parser().parse_args(argv)
             assert (args.host, args.port, args.metrics_host) == ("0.0.0.0", 7000, "0.0.0.0")
         else:
-            args = node_cli.parse_args(argv)
+            args = node_cli.build_parser().parse_args(argv)
             assert (args.listen, args.announce) == ("0.0.0.0:7100", f"{name}:7100")
         assert (args.dht_listen, args.log_format) == (flag(argv, "--dht-listen"), "json")

@@ -1,6 +1,6 @@
-"""The README's multi-host recipe on emulated hosts (one network namespace each, no loopback across
-hosts): training with the DHT on, a dial-only node and a node that cannot reach the DHT;
-a real Prometheus scraping every process; gRPC health, /healthz and ``swarm status``."""
+"""The multi-host recipe of docs/operations.md on emulated hosts (one network namespace each, no
+loopback across hosts): training with the DHT on, a dial-only node and a node that cannot reach
+the DHT; a real Prometheus scraping every process; gRPC health, /healthz and ``swarm status``."""
 
 from __future__ import annotations
 
@@ -41,10 +41,10 @@ needs_prometheus = pytest.mark.skipif(
 STEPS = 8
 
 
-def test_readme_quotes_the_recipe_this_test_runs():
-    readme = ROOT.joinpath("README.md").read_text()
+def test_the_docs_quote_the_recipe_this_test_runs():
+    operations = ROOT.joinpath("docs", "operations.md").read_text()
     for line in (CERTS, ISSUE, COORDINATOR, INBOUND_NODE, DIAL_ONLY_NODE, STATUS):
-        assert line in readme, f"README's multi-host section lacks: {line}"
+        assert line in operations, f"docs/operations.md's multi-host section lacks: {line}"
 
 
 @pytest.fixture(scope="module")

@@ -13,11 +13,12 @@ from tests.helpers import random_batch, tiny_config
 
 
 def reference_gradients(
-    config, ids: torch.Tensor, dtype: torch.dtype
+    config, ids: torch.Tensor, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    """Loss and parameter gradients of the whole model in one process, no boundaries."""
+    """Loss and parameter gradients of the whole model in one process, no boundaries (ids on ``device``)."""
     fixed, basis = initial_artifacts(config)
-    model = Stage(config.model, 0, config.model.n_layers, fixed, basis, config.train.seed).to(dtype=dtype)
+    model = Stage(config.model, 0, config.model.n_layers, fixed, basis, config.train.seed)
+    model = model.to(device=device, dtype=dtype)
     losses = []
     for chunk in ids.chunk(config.train.microbatches):
         logits = model(chunk[:, :-1])
@@ -29,9 +30,9 @@ def reference_gradients(
 
 
 def pipeline_gradients(
-    config, ids: torch.Tensor, dtype: torch.dtype
+    config, ids: torch.Tensor, dtype: torch.dtype, device: torch.device | str = "cpu"
 ) -> tuple[float, dict[str, torch.Tensor]]:
-    pipe = LocalPipeline(config, dtype=dtype)
+    pipe = LocalPipeline(config, device=device, dtype=dtype)
     loss, _, _ = pipe.forward_backward(0, ids)
     grads = {}
     for w in pipe.workers:

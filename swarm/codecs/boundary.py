@@ -21,6 +21,7 @@ from typing import Protocol
 import torch
 
 from swarm.codecs.base import EncodedTensor, PayloadError, StaleVersionError, TensorFormat
+from swarm.codecs.rvq import ResidualVQ
 from swarm.runtime.wire import (
     ActivationFrame,
     GradientFrame,
@@ -93,6 +94,13 @@ class BoundaryCodec:
         self.map = boundary_map
         self.forward_format, self.backward_format = forward_format, backward_format
         self.vocab_size, self.max_seq_len, self.zstd_level = vocab_size, max_seq_len, zstd_level
+
+    @property
+    def codebooks(self) -> ResidualVQ | None:
+        """The forward format's learned codebooks (RVQ), which the two sides keep in sync by deltas;
+        None for a format without per-boundary state."""
+        fmt = self.forward_format
+        return fmt if isinstance(fmt, ResidualVQ) else None
 
     def _pack(self, data: bytes) -> bytes:
         return compress(data, self.zstd_level) if self.zstd_level > 0 else data

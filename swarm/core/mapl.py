@@ -63,9 +63,10 @@ def boundary_gradients(boundary: MaplBoundary) -> dict[str, torch.Tensor]:
 
 
 def set_boundary_gradients(boundary: MaplBoundary, grads: dict[str, torch.Tensor]) -> None:
-    """Install the summed gradients so both copies of a boundary step identically."""
+    """Install the summed gradients so both copies of a boundary step identically (in the parameter's
+    memory layout, whatever layout the sum came in: the optimizer's matmuls round by layout)."""
     for name, p in boundary.named_parameters():
-        p.grad = grads[name].to(device=p.device, dtype=p.dtype).clone()
+        p.grad = torch.empty_like(p).copy_(grads[name])
 
 
 def sum_gradients(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

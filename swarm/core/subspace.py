@@ -48,6 +48,7 @@ class BoundaryStatistic:
 
     def __init__(self, basis: torch.Tensor):
         self.basis = basis
+        self.lifetime_off, self.lifetime_total = 0.0, 0.0  # never reset: for rates between reads
         self.reset()
 
     def reset(self) -> None:
@@ -62,7 +63,10 @@ class BoundaryStatistic:
         self.gram_times_basis += g.T @ gu
         total = g.pow(2).sum().item()
         self.total_energy += total
-        self.off_energy += max(total - gu.pow(2).sum().item(), 0.0)
+        off = max(total - gu.pow(2).sum().item(), 0.0)
+        self.off_energy += off
+        self.lifetime_off += off
+        self.lifetime_total += total
         self.count += g.shape[0]
 
     @property

@@ -50,11 +50,7 @@ def _cpu_copy(obj: Any) -> Any:
 
 
 def _codebook_formats(worker: StageWorker) -> dict[str, ResidualVQ]:
-    formats = {}
-    for side, codec in (("in", worker.inbound), ("out", worker.outbound)):
-        if codec is not None and isinstance(codec.forward_format, ResidualVQ):
-            formats[side] = codec.forward_format
-    return formats
+    return {side: fmt for side in ("in", "out") if (fmt := worker.codebooks(side)) is not None}
 
 
 def capture(worker: StageWorker, step: int, sampler: BatchSampler | None = None) -> dict[str, Any]:

@@ -1,8 +1,9 @@
-"""The single-process pipeline: P stage workers in one process, GPipe microbatching.
+"""The single-process pipeline: P stage workers in one process, GPipe microbatching by default.
 
 Frames between stages are the real thing (encoded to bytes, decoded and validated on
 the other side); only the transport is a function call. This is the oracle the
-distributed runtime is tested against and the engine of the convergence experiments.
+distributed runtime is tested against and the engine of the convergence experiments. The
+microbatch order and the end-of-step syncs come from :mod:`swarm.runtime.steps`, as on a node.
 """
 
 from __future__ import annotations
@@ -12,10 +13,18 @@ from dataclasses import dataclass, field
 import torch
 
 from swarm.core.config import RunConfig
-from swarm.core.mapl import pack_gradients, sum_gradients
 from swarm.core.subspace import SubspaceRotation, initial_artifacts, next_rotation
 from swarm.runtime.norm_guard import NormBound
-from swarm.runtime.worker import StageStats, StageWorker
+from swarm.runtime.steps import (
+    FORWARD,
+    end_step,
+    pipeline_order,
+    run_in_process,
+    share_mapl_gradients,
+    ship_codebooks,
+)
+from swarm.runtime.wire import ActivationFrame, GradientFrame
+from swarm.runtime.worker import StageWorker
 
 
 @dataclass
@@ -37,7 +46,8 @@ class StepResult:
 
 
 class LocalPipeline:
-    """All stages of a run in this process (``norm_bound``: check boundary norms as a swarm node does)."""
+    """All stages of a run in this process, following the microbatch order of ``schedule``
+    (``norm_bound``: check boundary norms as a swarm node does)."""
 
     def __init__(
         self,
@@ -45,8 +55,9 @@ class LocalPipeline:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         norm_bound: NormBound | None = None,
+        schedule: str = "gpipe",
     ):
-        self.config = config
+        self.config, self.schedule = config, schedule
         fixed, basis = initial_artifacts(config)
         self.workers = [
             StageWorker(config, i, fixed, basis, device=device, dtype=dtype, norm_bound=norm_bound)
@@ -55,58 +66,45 @@ class LocalPipeline:
         self.version = 0
 
     def forward_backward(self, step: int, token_ids: torch.Tensor) -> tuple[float, list[int], list[int]]:
-        """GPipe: every microbatch forward through all stages, then all backward in reverse.
+        """Every microbatch forward and backward through all stages, in the schedule's order.
 
         Leaves the gradients in place; returns (mean loss, forward bytes, backward bytes) per boundary.
         """
         for w in self.workers:
             w.begin_step(step)
         chunks = token_ids.chunk(self.config.train.microbatches)
-        n_boundaries = len(self.workers) - 1
-        fwd, bwd = [0] * n_boundaries, [0] * n_boundaries
+        fwd, bwd = [0] * (len(self.workers) - 1), [0] * (len(self.workers) - 1)
+        activations: dict[tuple[int, int], ActivationFrame] = {}  # by (boundary, microbatch)
+        gradients: dict[tuple[int, int], GradientFrame] = {}
         losses = []
-        for mb, ids in enumerate(chunks):
-            source = ids
-            for i, w in enumerate(self.workers):
-                source = w.forward(step, mb, source)
-                if i < n_boundaries:
-                    fwd[i] += source.nbytes
-            losses.append(source)
-        for mb in reversed(range(len(chunks))):
-            grad = None
-            for i in reversed(range(len(self.workers))):
-                grad = self.workers[i].backward(step, mb, grad)
+        for stage, (kind, mb) in pipeline_order(self.schedule, len(self.workers), len(chunks)):
+            w = self.workers[stage]
+            if kind == FORWARD:
+                out = w.forward(step, mb, chunks[mb] if w.is_first else activations.pop((stage - 1, mb)))
+                if w.is_last:
+                    losses.append(out)
+                else:
+                    activations[stage, mb] = out
+                    fwd[stage] += out.nbytes
+            else:
+                grad = w.backward(step, mb, gradients.pop((stage, mb), None))
                 if grad is not None:
-                    bwd[i - 1] += grad.nbytes
+                    gradients[stage - 1, mb] = grad
+                    bwd[stage - 1] += grad.nbytes
         return sum(losses) / len(losses), fwd, bwd
 
-    def exchange_boundary_state(self) -> int:
-        """Sum MAPL gradient shares across each boundary and ship RVQ deltas; returns bytes moved."""
-        moved = 0
-        for sender, receiver in zip(self.workers, self.workers[1:], strict=False):
-            if "out" in sender.mapl:
-                a, b = sender.boundary_gradients("out"), receiver.boundary_gradients("in")
-                total = sum_gradients(a, b)
-                sender.set_boundary_gradients("out", total)
-                receiver.set_boundary_gradients("in", total)
-                moved += len(pack_gradients(a)) + len(pack_gradients(b))
-        return moved
+    def exchange_boundary_state(self, step: int = 0) -> int:
+        """Sum MAPL gradient shares across each boundary (``step``: the messages' label); bytes moved."""
+        return run_in_process([share_mapl_gradients(w, step) for w in self.workers])[1]
 
-    def ship_codebooks(self) -> int:
-        moved = 0
-        for sender, receiver in zip(self.workers, self.workers[1:], strict=False):
-            delta = sender.codebook_delta()
-            if delta is not None:
-                receiver.apply_codebook_delta(delta)
-                moved += len(delta)
-        return moved
+    def ship_codebooks(self, step: int = 0) -> int:
+        """Learn the RVQ codebooks and ship their deltas across each boundary; bytes moved."""
+        return run_in_process([ship_codebooks(w, step) for w in self.workers])[1]
 
     def train_step(self, step: int, token_ids: torch.Tensor) -> StepResult:
         """One optimizer step on a ``B x (T+1)`` batch of token ids."""
         loss, fwd, bwd = self.forward_backward(step, token_ids)
-        sync = self.exchange_boundary_state()
-        stats: list[StageStats] = [w.optimizer_step(step) for w in self.workers]
-        sync += self.ship_codebooks()
+        stats, sync = run_in_process([end_step(w, step) for w in self.workers])
         result = StepResult(
             step,
             loss,

@@ -116,11 +116,11 @@ def train(
 def _off_subspace_since(
     pipe: LocalPipeline, before: tuple[float, float]
 ) -> tuple[float | None, tuple[float, float]]:
-    """The off-subspace fraction of the boundary gradients since ``before`` (the energies then);
-    None without a subspace codec. A rotation resets the statistics: then it counts since the reset."""
+    """The off-subspace fraction of the boundary gradients since ``before`` (the lifetime energies
+    then), and the energies now; None without a subspace codec."""
     stats = [w.statistic for w in pipe.workers if w.statistic is not None]
-    now = (sum(s.off_energy for s in stats), sum(s.total_energy for s in stats))
-    off, total = (now[0] - before[0], now[1] - before[1]) if now[1] >= before[1] else now
+    now = (sum(s.lifetime_off for s in stats), sum(s.lifetime_total for s in stats))
+    off, total = now[0] - before[0], now[1] - before[1]
     return ((off / total) ** 0.5 if total > 0 else None), now
 
 

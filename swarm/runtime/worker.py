@@ -202,7 +202,7 @@ class StageWorker:
         if self.is_last:
             self.stats.loss_sum += output.item() * self.config.train.microbatches * tokens
             self.stats.loss_count += tokens
-        elif isinstance(self.outbound.forward_format, ResidualVQ):
+        elif self.outbound.codebooks is not None:
             self._sent_rows.append(output.detach().reshape(-1, output.shape[-1]))
 
     @property
@@ -255,10 +255,15 @@ class StageWorker:
         stats, self.stats = self.stats, StageStats()
         return stats
 
+    def codebooks(self, side: str) -> ResidualVQ | None:
+        """The RVQ codebooks of this side's boundary (``side``: ``in`` or ``out``); None where it has none."""
+        codec = self.inbound if side == "in" else self.outbound
+        return codec.codebooks if codec is not None else None
+
     def codebook_delta(self) -> bytes | None:
         """Learn the outbound RVQ codebooks from this step's coordinates; the delta the receiver needs."""
-        fmt = self.outbound.forward_format if self.outbound is not None else None
-        if not isinstance(fmt, ResidualVQ) or not self._sent_rows:
+        fmt = self.codebooks("out")
+        if fmt is None or not self._sent_rows:
             return None
         version = fmt.version
         fmt.update(torch.cat(self._sent_rows).float().cpu())
@@ -266,8 +271,8 @@ class StageWorker:
         return fmt.delta_since(version)
 
     def apply_codebook_delta(self, delta: bytes) -> None:
-        fmt = self.inbound.forward_format
-        if not isinstance(fmt, ResidualVQ):
+        fmt = self.codebooks("in")
+        if fmt is None:
             raise PayloadError(f"stage {self.index}: codebook delta for a boundary without RVQ")
         fmt.apply_delta(delta)
 
