@@ -36,7 +36,7 @@ def measure(
 ) -> tuple[float, float]:
     """Median forward and backward seconds of one layer on ``batch x seq_len`` tokens."""
     torch.manual_seed(0)
-    block = Block(model).to(device, dtype)
+    block = Block(model, 0).to(device, dtype)
     basis = (
         random_basis(model.d_model, model.subspace_rank, 0).to(device, dtype) if model.constrained else None
     )

@@ -279,12 +279,13 @@ def compare(rows: list[dict], plan: QualityPlan, profile: ComputeProfile) -> Non
                     "paper_h200_estimate": reached * paper if reached is not None else None,
                 }
             row["targets"][str(fraction)] = entry
-    for row in rows:  # speed-ups to dense's final loss, per link and setting
-        final, base = row["targets"]["1.0"]["seconds"], dense["targets"]["1.0"]["seconds"]
-        row["speedup_to_dense_final"] = {
-            link: {
-                setting: (base[link][setting] / t if t and base[link][setting] else None)
-                for setting, t in final[link].items()
+    for row in rows:  # how much sooner than dense, per target, link and setting
+        for fraction, entry in row["targets"].items():
+            base = dense["targets"][fraction]["seconds"]
+            entry["speedup_vs_dense"] = {
+                link: {
+                    setting: (base[link][setting] / t if t and base[link][setting] else None)
+                    for setting, t in times.items()
+                }
+                for link, times in entry["seconds"].items()
             }
-            for link in final
-        }

@@ -32,6 +32,7 @@ from swarm.coordinator.state import CoordinatorState
 from swarm.coordinator.tokens import JoinTokens
 
 from swarm.core.config import RunConfig
+from swarm.launch.argv import command_line
 from swarm.net import join_token, tls
 from swarm.ops import logs
 from swarm.ops.metrics import Metrics
@@ -128,8 +129,7 @@ def serve_command(
         "--metrics-port": metrics_port,
         "--dead-after": dead_after,
     }
-    args = [x for flag, value in options.items() if value is not None for x in (flag, str(value))]
-    return ["serve", *args, *([] if use_dht else ["--no-dht"]), *security]
+    return command_line("serve", options, use_dht, security)
 
 
 def load_config(path: str | None) -> RunConfig:

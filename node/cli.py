@@ -17,6 +17,7 @@ from swarm.node.coordinator_client import CoordinatorUnreachable, Fenced, JoinRe
 from swarm.node.daemon import NodeDaemon
 from swarm.node.settings import NodeSettings, Timeouts
 
+from swarm.launch.argv import command_line
 from swarm.net import join_token, tls
 from swarm.net.shaper import LinkProfile
 from swarm.ops import logs
@@ -143,8 +144,7 @@ def join_command(
         "--name": name,
         "--metrics-port": metrics_port,
     }
-    args = [x for flag, value in options.items() if value is not None for x in (flag, str(value))]
-    return ["join", *args, *([] if use_dht else ["--no-dht"]), *security]
+    return command_line("join", options, use_dht, security)
 
 
 def serve_stage(args: argparse.Namespace) -> int:

@@ -280,11 +280,11 @@ class NodeDaemon:
     async def _run_epoch(self, plan: cpb.Plan, fixed: torch.Tensor) -> str:
         """One epoch: ``finished`` (all steps), ``left`` (stopped at a cut), ``replanned`` or ``failed``."""
         self.metrics.epoch_restarts.inc()
-        session = asyncio.create_task(self._session(plan, fixed))
+        epoch_task = asyncio.create_task(self._train_epoch(plan, fixed))
         try:
-            while not session.done():
+            while not epoch_task.done():
                 change = asyncio.create_task(self.client.wait_change())
-                await asyncio.wait({session, change}, return_when=asyncio.FIRST_COMPLETED)
+                await asyncio.wait({epoch_task, change}, return_when=asyncio.FIRST_COMPLETED)
                 if change.done():
                     change.exception()  # retrieved here; a fatal one is raised just below
                 change.cancel()
@@ -294,7 +294,7 @@ class NodeDaemon:
                     say(f"plan epoch {self.client.plan.epoch} replaces epoch {plan.epoch}")
                     return "replanned"
             try:
-                return "finished" if session.result() else "left"
+                return "finished" if epoch_task.result() else "left"
             except (Fenced, CoordinatorUnreachable, asyncio.CancelledError):
                 raise
             except Exception as e:
@@ -315,9 +315,9 @@ class NodeDaemon:
                     await self.client.call("ReportFailure", request)
                 return "failed"
         finally:
-            if not session.done():
-                session.cancel()
-            await asyncio.gather(session, return_exceptions=True)
+            if not epoch_task.done():
+                epoch_task.cancel()
+            await asyncio.gather(epoch_task, return_exceptions=True)
 
     async def _averaging(self, plan: cpb.Plan):
         """The factory of this epoch's replica groups, after starting an averager for every hosted
@@ -346,7 +346,7 @@ class NodeDaemon:
 
         return group
 
-    async def _session(self, plan: cpb.Plan, fixed: torch.Tensor) -> bool:
+    async def _train_epoch(self, plan: cpb.Plan, fixed: torch.Tensor) -> bool:
         averaging_for = await self._averaging(plan)
         host = StageHost(
             self.config,
