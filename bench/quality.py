@@ -257,24 +257,27 @@ def compare(rows: list[dict], plan: QualityPlan, profile: ComputeProfile) -> Non
     dense = rows[0]
     steps = plan.train.steps
     targets = {f: loss_at(dense["val_curve"], round(f * steps)) for f in TARGET_FRACTIONS}
+    dense_steps = {f: steps_to(dense["val_curve"], target) for f, target in targets.items()}
     dense_paper_bytes = 2 * 2 * 4096  # bf16 activations and gradients of the 2B model, per token
     for row in rows:
         curve = row["val_curve"]
         points = [s for s, _ in curve if s > 0]
         row["gap_vs_dense"] = {s: loss_at(curve, s) / loss_at(dense["val_curve"], s) - 1 for s in points}
         row["gap_trend"] = gap_trend(list(row["gap_vs_dense"].values()))
+        paper_bytes = dense_paper_bytes / row["compression_vs_dense_bf16"]
+        measured = row.get("step_seconds", {})
+        step_seconds = {  # per link: (this machine's swarm, the analytic H200 step)
+            link.name: (measured.get(link.name), paper_step_seconds(profile, paper_bytes, link))
+            for link in plan.links
+        }
         row["targets"] = {}
         for fraction, target in targets.items():
             reached = steps_to(curve, target)
             entry = {"loss": target, "steps": reached, "steps_vs_dense": None, "seconds": {}}
-            dense_steps = steps_to(dense["val_curve"], target)
-            if reached is not None and dense_steps:
-                entry["steps_vs_dense"] = reached / dense_steps
-            paper_bytes = dense_paper_bytes / row["compression_vs_dense_bf16"]
-            for link in plan.links:
-                local = row.get("step_seconds", {}).get(link.name)
-                paper = paper_step_seconds(profile, paper_bytes, link)
-                entry["seconds"][link.name] = {
+            if reached is not None and dense_steps[fraction]:
+                entry["steps_vs_dense"] = reached / dense_steps[fraction]
+            for link, (local, paper) in step_seconds.items():
+                entry["seconds"][link] = {
                     "swarm": reached * local if reached is not None and local else None,
                     "paper_h200_estimate": reached * paper if reached is not None else None,
                 }

@@ -9,6 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench.quality import loss_at
+
 GOAL_NOTE = (
     "Goals (issue 20): at >= 60x, loss at equal steps within 3% of dense and dense's final loss reached "
     "at 80 Mbit/s / 50 ms RTT at least 10x sooner than dense with H200 compute; at >= 100x, at most 1.5x "
@@ -55,11 +57,11 @@ def section(r: dict) -> list[str]:
         gaps, t = row["gap_vs_dense"], row["targets"]
         reached = " / ".join(_steps(t[f]["steps"]) for f in ("0.25", "0.5", "1.0"))
         ratios = " / ".join(_ratio(t[f]["steps_vs_dense"]) for f in ("0.25", "0.5", "1.0"))
-        curve = dict(map(tuple, row["val_curve"]))
+        curve = row["val_curve"]
         out.append(
             f"| {row['variant']} | {row['parameters'] / 1e6:.2f}M | {row['wire_B_per_token']:.1f} "
-            f"| {row['compression_vs_dense_bf16']:.0f}x | {_near(curve, mid):.3f} | {_gap(gaps, mid)} "
-            f"| {_near(curve, end):.3f} | {_gap(gaps, end)} | {row['gap_trend']} | {reached} | {ratios} "
+            f"| {row['compression_vs_dense_bf16']:.0f}x | {loss_at(curve, mid):.3f} | {_gap(gaps, mid)} "
+            f"| {loss_at(curve, end):.3f} | {_gap(gaps, end)} | {row['gap_trend']} | {reached} | {ratios} "
             f"| {_off(row.get('off_subspace_curve'))} |"
         )
     levers = [row for row in rows if row["lever"]]
@@ -93,10 +95,6 @@ def _time_to(target: dict, link: str, setting: str) -> str:
 def _off(curve: list | None) -> str:
     """The boundary gradients' off-subspace fraction over the run's last evaluation interval."""
     return f"{curve[-1][1]:.2f}" if curve else "—"
-
-
-def _near(curve: dict, step: int) -> float:
-    return curve[min(curve, key=lambda s: abs(s - step))]
 
 
 def _gap(gaps: dict, step: int) -> str:

@@ -10,28 +10,12 @@ import torch.nn.functional as F
 
 from swarm.core.model import Stage
 from swarm.core.subspace import initial_artifacts
-from swarm.runtime.pipeline import LocalPipeline
 from tests.helpers import random_batch, tiny_config
+from tests.test_pipeline import max_relative_error, pipeline_gradients, reference_gradients
 
 
 def free_tail(config, layers: int = 1):
     return dataclasses.replace(config, model=dataclasses.replace(config.model, full_rank_layers=layers))
-
-
-def gradients(config, ids: torch.Tensor, dtype: torch.dtype, pipeline: bool):
-    """(loss, parameter gradients): through the compressed pipeline, or the whole model in one stage."""
-    if pipeline:
-        pipe = LocalPipeline(config, dtype=dtype)
-        loss, _, _ = pipe.forward_backward(0, ids)
-        return loss, {n: p.grad.clone() for w in pipe.workers for n, p in w.stage.named_parameters()}
-    fixed, basis = initial_artifacts(config)
-    model = Stage(config.model, 0, config.model.n_layers, fixed, basis, config.train.seed).to(dtype=dtype)
-    losses = []
-    for chunk in ids.chunk(config.train.microbatches):
-        loss = F.cross_entropy(model(chunk[:, :-1]).float().flatten(0, 1), chunk[:, 1:].flatten())
-        (loss / config.train.microbatches).backward()
-        losses.append(loss.item())
-    return sum(losses) / len(losses), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize(
@@ -40,11 +24,10 @@ def gradients(config, ids: torch.Tensor, dtype: torch.dtype, pipeline: bool):
 def test_full_rank_last_stage_keeps_pipeline_gradients_exact(dtype, fmt, tolerance):
     config = free_tail(tiny_config(forward_format=fmt, backward_format=fmt, n_stages=3), layers=1)
     ids = random_batch(config)
-    ref_loss, ref = gradients(config, ids, dtype, pipeline=False)
-    loss, got = gradients(config, ids, dtype, pipeline=True)
+    ref_loss, ref = reference_gradients(config, ids, dtype)
+    loss, got = pipeline_gradients(config, ids, dtype)
     assert abs(loss - ref_loss) / ref_loss < tolerance
-    assert got.keys() == ref.keys()
-    assert max(((got[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref) < tolerance
+    assert max_relative_error(got, ref) < tolerance
 
 
 def test_only_the_tail_writes_outside_the_subspace():
@@ -90,6 +73,6 @@ def test_a_bottleneck_only_at_boundaries_is_exact_for_the_model_that_projects_th
         (loss / config.train.microbatches).backward()
         losses.append(loss.item())
     ref = {n: p.grad for s in stages for n, p in s.named_parameters()}
-    loss, got = gradients(config, ids, torch.float64, pipeline=True)
+    loss, got = pipeline_gradients(config, ids, torch.float64)
     assert abs(loss - sum(losses) / len(losses)) < 1e-10 * loss
-    assert max(((got[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref) < 1e-10
+    assert max_relative_error(got, ref) < 1e-10
