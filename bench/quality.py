@@ -35,7 +35,6 @@ from swarm.core.config import (
     RotationConfig,
     RunConfig,
     TrainConfig,
-    config_hash,
     stage_layer_ranges,
 )
 from swarm.core.profiles import ComputeProfile, load_profile
@@ -93,6 +92,9 @@ def matched_d_ff(m: ModelConfig, target: int) -> int:
     )
 
 
+GROW_INTERVAL = 100  # steps between growths of a growing rank
+
+
 def variants(model: ModelConfig, n_stages: int) -> list[Variant]:
     """The line-up: dense, the subspace method from ~8x to ~100x, the levers at ~60x, and MAPL,
     int8 and top-k near ~30x (ranks scale with ``d_model``, so a small model keeps the ratios)."""
@@ -106,6 +108,16 @@ def variants(model: ModelConfig, n_stages: int) -> list[Variant]:
 
     def codec(kind: str, fwd: str = "bf16", bwd: str = "bf16", **kw) -> CodecConfig:
         return CodecConfig(kind=kind, forward_format=fwd, backward_format=bwd, **kw)
+
+    def growing(lo: int, hi: int) -> Variant:
+        step = max(1, (hi - lo) // 4)
+        return Variant(
+            f"subspace k={lo}->{hi} growing",
+            sub(lo),
+            codec("subspace"),
+            RotationConfig(interval=GROW_INTERVAL, max_angle=0.0, grow_by=step, max_rank=hi),
+            lever=f"rank grows by {step} every {GROW_INTERVAL} steps from {lo} to {hi}",
+        )
 
     dense = dataclasses.replace(model, constrain_writes=False)
     k60 = k(64)
@@ -142,6 +154,7 @@ def variants(model: ModelConfig, n_stages: int) -> list[Variant]:
             RotationConfig(interval=25, max_angle=0.2),
             lever="Grassmann step every 25 steps, up to 0.2 rad",
         ),
+        *(growing(lo, hi) for lo, hi in ((k(128), k60), (k60, k(32)))),
         Variant(f"subspace k={k(32)} int8/token", sub(k(32)), codec("subspace", "int8_row")),
         Variant(f"MAPL r={k(32)}", dense, codec("mapl", mapl_rank=k(32), anchor_rank=k(32))),
         Variant(
@@ -223,12 +236,37 @@ def run(
     return {"rows": rows, "links": [dataclasses.asdict(x) for x in plan.links], "profile": profile.name}
 
 
+def _changed(values: dict, defaults: dict) -> dict:
+    """The entries of ``values`` that differ from ``defaults`` (nested dictionaries entry by entry)."""
+    out = {}
+    for name, value in values.items():
+        default = defaults.get(name)
+        if isinstance(value, dict) and isinstance(default, dict):
+            value = _changed(value, default)
+            if value:
+                out[name] = value
+        elif value != default:
+            out[name] = value
+    return out
+
+
+def run_key(config: RunConfig, eval_batches: int) -> str:
+    """A curve's cache key: the run's settings that differ from :class:`RunConfig`'s defaults.
+
+    An option added later with a default that keeps the old behaviour leaves the keys of the
+    curves measured before it, so adding a variant reruns only that variant.
+    """
+    changed = _changed(config.to_dict(), RunConfig().to_dict())
+    text = json.dumps(changed, sort_keys=True, default=str)
+    return hashlib.sha256(f"{text}/{eval_batches}".encode()).hexdigest()[:16]
+
+
 def curve(
     v: Variant, plan: QualityPlan, dataset: TokenDataset, cache: Path | None, progress: Callable[[str], None]
 ) -> dict:
     """One variant's training run and validation curve (from ``cache`` when it holds this exact run)."""
     config = v.config(plan.train, plan.n_stages)
-    key = hashlib.sha256(f"{config_hash(config)}/{plan.eval_batches}".encode()).hexdigest()[:16]
+    key = run_key(config, plan.eval_batches)
     saved = cache / f"{key}.json" if cache is not None else None
     if saved is not None and saved.exists():
         progress(f"quality: {v.name} from {saved}")

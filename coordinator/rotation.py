@@ -7,7 +7,8 @@ constrained. After optimizer step ``s`` with ``(s + 1) % interval == 0``, each s
 step ``s`` are in, they are summed in ascending boundary order (the order the
 single-process :class:`~swarm.runtime.pipeline.LocalPipeline` sums its stages in, so both compute
 bit-identical rotations) into :func:`~swarm.core.subspace.next_rotation`, effective from step
-``s + 1``.
+``s + 1``. A rotation may also grow the basis (``rotation.grow_by``); statistics are then
+``d x k`` for the width ``k`` of the version they were measured under.
 """
 
 from __future__ import annotations
@@ -25,9 +26,8 @@ class RotationCollector:
     def __init__(self, config: RunConfig, initial_basis: torch.Tensor | None, last: SubspaceRotation | None):
         self.enabled = config.rotation.interval > 0 and config.model.constrained
         self.interval = config.rotation.interval
-        self.max_angle = config.rotation.max_angle
+        self.rotation = config.rotation
         self.n_boundaries = config.n_stages - 1
-        self.shape = (config.model.d_model, config.model.subspace_rank)
         self.basis = last.basis if last is not None else initial_basis
         self.version = last.version if last is not None else 0
         self.effective_step = last.effective_step if last is not None else 0
@@ -51,7 +51,7 @@ class RotationCollector:
             )
         if version != self.version:
             raise Rejected("stale_version", f"statistic for version {version}, current is {self.version}")
-        d, k = self.shape
+        d, k = self.basis.shape  # the current basis: a grown one is wider
         if len(data) != 8 * d * k:
             raise Rejected(
                 "malformed", f"statistic must be {d}x{k} float64 ({8 * d * k} bytes), got {len(data)}"
@@ -64,7 +64,7 @@ class RotationCollector:
         if len(reports) < self.n_boundaries:
             return None
         rotation = next_rotation(
-            self.basis, [reports[b] for b in range(self.n_boundaries)], self.version, step + 1, self.max_angle
+            self.basis, [reports[b] for b in range(self.n_boundaries)], self.version, step + 1, self.rotation
         )
         self.basis, self.version, self.effective_step = (
             rotation.basis,

@@ -216,7 +216,10 @@ class StageHost:
             rotation = await self.client.rotation(step // interval)
             if worker.version < rotation.version:
                 worker.schedule_rotation(rotation)
-                say(f"rotation to subspace version {rotation.version} at step {rotation.effective_step}")
+                say(
+                    f"rotation to subspace version {rotation.version} at step {rotation.effective_step} "
+                    f"(rank {rotation.basis.shape[1]})"
+                )
 
         return ready
 

@@ -892,7 +892,7 @@ def test_rotation_from_reports_matches_reference_and_streams(tmp_path):
                 ack = await h.report(statistic(nodes[stage].node_id, stage, 1, stats[stage - 1], epoch=epoch))
                 assert ack.accepted, ack.reason
             rotation = rotation_from_proto(await asyncio.wait_for(first, 5))
-            expected = next_rotation(initial_artifacts(config)[1], stats, 0, 2, config.rotation.max_angle)
+            expected = next_rotation(initial_artifacts(config)[1], stats, 0, 2, config.rotation)
             assert (rotation.version, rotation.effective_step) == (1, 2)
             assert torch.equal(rotation.basis, expected.basis) and rotation.digest == expected.digest
             stale = await h.report(statistic(nodes[1].node_id, 1, 3, stats[0], epoch=epoch, version=0))
@@ -939,7 +939,7 @@ def test_restart_resumes_run_secret_nodes_and_rotations(tmp_path):
             assert (await h.status()).plan_epoch == b.plan.epoch
             replay = h.stub.WatchRotations(coordinator_pb2.WatchRotationsRequest(after_version=0))
             rotation = rotation_from_proto(await asyncio.wait_for(replay.read(), 5))
-            expected = next_rotation(initial_artifacts(config)[1], [stat], 0, 1, config.rotation.max_angle)
+            expected = next_rotation(initial_artifacts(config)[1], [stat], 0, 1, config.rotation)
             assert rotation.digest == expected.digest
             replay.cancel()
             # The next rotation starts from the resumed basis.

@@ -23,11 +23,11 @@ from swarm.runtime.pipeline import LocalPipeline
 FRAMING_BYTES_PER_FRAME = 64
 
 
-def swarm_config(n_stages: int = 3, steps: int = 20, rotate_every: int = 0) -> RunConfig:
+def swarm_config(n_stages: int = 3, steps: int = 20, rotation: RotationConfig | None = None) -> RunConfig:
     return RunConfig(
         model=dataclasses.replace(MODEL_PRESETS["tiny"]),
         codec=CodecConfig(kind="subspace", forward_format="bf16", backward_format="bf16"),
-        rotation=RotationConfig(interval=rotate_every, max_angle=0.1),
+        rotation=rotation or RotationConfig(),
         train=TrainConfig(steps=steps, batch_size=4, seq_len=32, microbatches=2, lr=1e-2, warmup_steps=5),
         n_stages=n_stages,
     )
@@ -126,9 +126,12 @@ def test_restart_reuses_cache_corruption_refetches_two_stages_on_one_node(three_
     assert any("hosts stages [0, 1]" in log_text(run, i) for i in range(2))
 
 
-def test_rotation_is_applied_at_its_step_on_every_stage(tmp_path):
-    """Over mutual TLS (``swarm up --tls``): the same losses as one process, rotations included."""
-    config = swarm_config(steps=12, rotate_every=5)
+def test_rotation_and_rank_growth_are_applied_at_their_step_on_every_stage(tmp_path):
+    """Over mutual TLS (``swarm up --tls``): the same losses as one process, with the rank growing
+    from 16 to 20 at step 5 (boundaries then send 20 coordinates) and a Grassmann turn at step 10."""
+    config = swarm_config(
+        steps=12, rotation=RotationConfig(interval=5, max_angle=0.1, grow_by=4, max_rank=20)
+    )
     summary = up(config, tmp_path / "run", nodes=3, progress=False, timeout=600, tls=True)
     assert "gRPC over mutual TLS" in (tmp_path / "run" / "coordinator.err").read_text()
     ref_losses, _, _ = reference_run(config, tmp_path / "cache")
@@ -136,8 +139,8 @@ def test_rotation_is_applied_at_its_step_on_every_stage(tmp_path):
     assert max(rel) < 1e-4, rel
     for node in range(3):
         text = log_text(tmp_path / "run", node)
-        assert "rotation to subspace version 1 at step 5" in text
-        assert "rotation to subspace version 2 at step 10" in text
+        assert "rotation to subspace version 1 at step 5 (rank 20)" in text
+        assert "rotation to subspace version 2 at step 10 (rank 20)" in text
 
 
 def test_swarm_up_command_runs_to_completion(tmp_path):

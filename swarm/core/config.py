@@ -64,11 +64,13 @@ class ModelConfig:
         """Whether residual writes are restricted to the subspace (else ``U`` only serves the codec)."""
         return self.subspace_rank > 0 and self.constrain_writes
 
-    def write_rank(self, layer: int) -> int:
+    def write_rank(self, layer: int, rank: int | None = None) -> int:
         """The rank of layer ``layer``'s residual writes: ``k`` under the constraint, 0 (full) otherwise
-        and for the last ``full_rank_layers`` layers, whose writes never cross a stage boundary."""
+        and for the last ``full_rank_layers`` layers, whose writes never cross a stage boundary.
+
+        ``rank`` is the basis' current width when it has grown past ``subspace_rank``."""
         constrained = self.constrained and layer < self.n_layers - self.full_rank_layers
-        return self.subspace_rank if constrained else 0
+        return (rank or self.subspace_rank) if constrained else 0
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
@@ -120,10 +122,28 @@ class CodecConfig:
 
 @dataclass
 class RotationConfig:
-    """Grassmann rotations of the shared subspace ``U`` (0 interval: static basis)."""
+    """Changes of the shared subspace ``U`` every ``interval`` steps (0: a static basis).
+
+    Each change either turns ``U`` by one Grassmann step of at most ``max_angle`` radians or,
+    while the rank is below ``max_rank`` and ``grow_by > 0``, grows it by ``grow_by`` columns
+    toward the strongest off-subspace gradient directions (a rank that grows: the run starts at
+    ``model.subspace_rank`` and its boundaries send more coordinates as it grows).
+    """
 
     interval: int = 0
     max_angle: float = 0.05
+    grow_by: int = 0
+    max_rank: int = 0
+
+    def __post_init__(self) -> None:
+        if self.interval < 0 or self.grow_by < 0 or self.max_rank < 0:
+            raise ValueError("rotation.interval, grow_by and max_rank must be >= 0")
+        if self.grow_by and not self.interval:
+            raise ValueError("rotation.grow_by > 0 needs rotation.interval > 0 (growth happens at rotations)")
+
+    def grows(self, rank: int) -> int:
+        """How many columns the next change adds to a basis of ``rank`` columns (0: it turns)."""
+        return min(self.grow_by, self.max_rank - rank) if self.grow_by and rank < self.max_rank else 0
 
 
 @dataclass
@@ -236,6 +256,7 @@ class RunConfig:
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
         self._check_replicas()
+        self._check_growth()
         last_start, _ = stage_layer_ranges(self.model.n_layers, self.n_stages)[-1]
         if self.model.full_rank_layers > self.model.n_layers - last_start:
             raise ValueError(
@@ -262,6 +283,25 @@ class RunConfig:
             raise ValueError(
                 "train.replicas > 1 needs boundary codecs without per-boundary learned state: "
                 "codec kind 'identity' or 'subspace' with a format other than 'rvq'"
+            )
+
+    def _check_growth(self) -> None:
+        r, m = self.rotation, self.model
+        if not r.grow_by:
+            return
+        if not m.constrained:
+            raise ValueError("rotation.grow_by needs a subspace-constrained model (model.subspace_rank > 0)")
+        if not m.subspace_rank < r.max_rank <= m.d_model:
+            raise ValueError(
+                f"rotation.max_rank={r.max_rank} must lie in (model.subspace_rank={m.subspace_rank}, "
+                f"d_model={m.d_model}] for the rank to grow"
+            )
+        if self.train.replicas > 1:
+            # The replica averager's tensors are fixed in shape when it starts.
+            raise ValueError("rotation.grow_by cannot be combined with train.replicas > 1")
+        if "rvq" in (self.codec.forward_format, self.codec.backward_format):
+            raise ValueError(
+                "rotation.grow_by cannot be combined with the 'rvq' format: its codebooks have the width k"
             )
 
     def _check_emulable(self) -> None:

@@ -145,11 +145,13 @@ class SwiGLU(nn.Module):
 
 
 class Block(nn.Module):
-    """Layer ``layer`` of the model (its index decides whether its writes are constrained)."""
+    """Layer ``layer`` of the model (its index decides whether its writes are constrained).
 
-    def __init__(self, config: ModelConfig, layer: int):
+    ``rank``: the width of the basis its constrained writes use (default ``subspace_rank``)."""
+
+    def __init__(self, config: ModelConfig, layer: int, rank: int | None = None):
         super().__init__()
-        rank = config.write_rank(layer)
+        rank = config.write_rank(layer, rank)
         self.attn_norm = RMSNorm(config.d_model, config.norm_eps)
         self.attn = Attention(config, rank)
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
@@ -174,9 +176,9 @@ class TokenEmbedding(nn.Module):
     table; it starts at zero, so every model starts from the same ``E_fixed``.
     """
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, rank: int | None = None):
         super().__init__()
-        rank = config.subspace_rank if config.constrained else 0
+        rank = (rank or config.subspace_rank) if config.constrained else 0
         self.low = nn.Parameter(torch.zeros(config.vocab_size, rank or config.d_model))
 
     def forward(self, tokens: torch.Tensor, fixed: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
@@ -187,7 +189,8 @@ class TokenEmbedding(nn.Module):
 class Stage(nn.Module):
     """Layers ``[start, end)`` of the model, plus the embedding (first stage) or head (last stage).
 
-    ``basis`` is used (and required) only when ``config.constrained``.
+    ``basis`` is used (and required) only when ``config.constrained``; its width sets the rank
+    of the constrained parameters (``subspace_rank``, or more once the rank has grown).
     ``forward(tokens, x)`` takes the token ids (B x T) and, except on the first stage,
     the residual stream entering the stage (B x T x d); it returns the residual stream
     leaving it, or the logits on the last stage. With a :class:`KVCache` the tokens are the
@@ -217,8 +220,9 @@ class Stage(nn.Module):
         cos, sin = rope_tables(config.head_dim, config.max_seq_len, config.rope_theta)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
-        self.embed = TokenEmbedding(config) if self.is_first else None
-        self.layers = nn.ModuleDict({str(i): Block(config, i) for i in range(start, end)})
+        rank = basis.shape[1] if config.constrained else None  # the basis' width: it may have grown
+        self.embed = TokenEmbedding(config, rank) if self.is_first else None
+        self.layers = nn.ModuleDict({str(i): Block(config, i, rank) for i in range(start, end)})
         self.norm = RMSNorm(config.d_model, config.norm_eps) if self.is_last else None
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False) if self.is_last else None
         init_parameters(self, seed)

@@ -6,10 +6,14 @@
   off-subspace energy ``||(I - P) G||^2 / ||G||^2``.
 * :func:`grassmann_step` moves ``U`` along the Grassmann geodesic that increases
   ``tr(U^T M U)``, ``M = sum G^T G``: the subspace turns toward where the gradients live.
+* :func:`grow_basis` appends to ``U`` the off-subspace directions the gradients lean on most:
+  a rank that grows.
 * :class:`SubspaceRotation` is the versioned object the coordinator broadcasts: the new
-  basis and the optimizer step at which every stage switches to it.
+  basis (turned, or grown by some columns) and the optimizer step at which every stage
+  switches to it.
 * :func:`rotate_stage` re-expresses a stage's constrained parameters (and their AdamW
-  state) in the new basis: ``W <- W P'``, ``C <- C U^T U'``.
+  state) in the new basis: ``W <- W P'``, ``C <- C U^T U'``; a grown basis extends them
+  with zero rows, which changes no output.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from swarm.codecs.base import PayloadError
-from swarm.core.config import RunConfig
+from swarm.core.config import RotationConfig, RunConfig
 from swarm.core.model import ResidualWrite, Stage, fixed_embedding, name_seed
 
 
@@ -101,6 +105,32 @@ def grassmann_step(basis: torch.Tensor, gram_times_basis: torch.Tensor, max_angl
     return (qn * torch.sign(torch.diagonal(r))).to(basis.dtype)
 
 
+def grow_basis(basis: torch.Tensor, gram_times_basis: torch.Tensor, extra: int, seed: int) -> torch.Tensor:
+    """``[U, Q]``: ``U`` kept column for column, plus ``extra`` orthonormal columns ``Q``.
+
+    ``Q`` are the leading left singular vectors of ``D = (I - P) M U`` (``gram_times_basis`` is
+    ``M U``): the off-subspace directions the boundary gradients couple to the subspace most,
+    the very directions a Grassmann step would turn toward. Directions ``D`` does not supply
+    (``extra`` above its rank, or vanishing gradients) come from a seeded Gaussian, so every
+    stage and the coordinator compute the same columns.
+    """
+    u = basis.double()
+    d, k = u.shape
+    if not 0 < extra <= d - k:
+        raise ValueError(f"cannot grow a {d}x{k} basis by {extra} columns")
+    mu = gram_times_basis.double()
+    direction = mu - u @ (u.T @ mu)
+    q, s, _ = torch.linalg.svd(direction, full_matrices=False)
+    keep = int((s > 1e-8 * max(s.max().item(), 1e-300)).sum()) if s.numel() else 0
+    gen = torch.Generator().manual_seed(seed)
+    fill = torch.randn(d, extra, generator=gen, dtype=torch.float64)
+    candidates = torch.cat([q[:, : min(keep, extra)], fill], dim=1)[:, :extra]
+    for _ in range(2):  # project out U twice: one pass leaves rounding-level components
+        candidates = candidates - u @ (u.T @ candidates)
+    qn, r = torch.linalg.qr(candidates)
+    return torch.cat([u, qn * torch.sign(torch.diagonal(r))], dim=1).to(basis.dtype)
+
+
 @dataclass(frozen=True)
 class SubspaceRotation:
     """A new basis and the optimizer step from which it is in force (version increments by one).
@@ -144,8 +174,19 @@ class SubspaceRotation:
 
 def _rotate_adam_state(state: dict, transform, transform_sq) -> None:
     if "exp_avg" in state:
-        state["exp_avg"].copy_(transform(state["exp_avg"]))
-        state["exp_avg_sq"].copy_(transform_sq(state["exp_avg_sq"]).clamp_min(0))
+        state["exp_avg"] = transform(state["exp_avg"]).contiguous()
+        state["exp_avg_sq"] = transform_sq(state["exp_avg_sq"]).clamp_min(0).contiguous()
+
+
+def _replace(tensor: torch.Tensor, value: torch.Tensor) -> None:
+    """Give ``tensor`` new contents, possibly of a new shape, keeping the object: optimizers, maps
+    and statistics that hold it follow."""
+    if value.shape == tensor.shape:
+        tensor.copy_(value)
+    else:
+        tensor.data = value.contiguous()
+        if isinstance(tensor, torch.nn.Parameter):
+            tensor.grad = None
 
 
 @torch.no_grad()
@@ -158,33 +199,88 @@ def rotate_stage(
     AdamW's first moment is transformed exactly like its parameter; the second moment,
     which has no exact image, maps through the squared entries of ``R`` (the variance of
     a sum of independent coordinates).
+
+    A grown basis (``U' = [U, Q]``, :func:`grow_basis`) extends instead: ``W'`` and ``C`` get
+    zero entries for the new columns (no output changes), so does AdamW's first moment,
+    and the second moment of a new column starts at the mean over the old ones, so the
+    first updates of the new coordinates are not inflated by an empty variance estimate.
     """
     old = stage.basis
     if old is None:
         raise ValueError("rotate_stage needs a subspace-constrained stage")
     new_basis = new_basis.to(device=old.device, dtype=old.dtype)
-    r = old.T @ new_basis
-    r_sq = r * r
+    k_old, k_new = old.shape[1], new_basis.shape[1]
+    if k_new > k_old and torch.equal(new_basis[:, :k_old], old):
+        rows = _grow_rows(k_new - k_old)
+    elif k_new == k_old:
+        rows = _turn_rows(old.T @ new_basis)
+    else:
+        raise ValueError(f"a {old.shape[0]}x{k_new} basis neither turns nor grows the {k_old}-column one")
     state = optimizer.state if optimizer is not None else {}
     for module in stage.modules():
         if isinstance(module, ResidualWrite) and module.rank:
-            module.weight.copy_(r.T @ module.weight)
-            if module.weight in state:
-                _rotate_adam_state(state[module.weight], lambda m: r.T @ m, lambda v: r_sq.T @ v)
+            _transform(module.weight, state, rows)
+            module.rank = k_new
     if stage.embed is not None:
         low = stage.embed.low
-        low.copy_(low @ r)
-        if low in state:
-            _rotate_adam_state(state[low], lambda m: m @ r, lambda v: v @ r_sq)
-    old.copy_(new_basis)
+        _transform(low, state, lambda m, sq=False: rows(m.T, sq).T)
+    _replace(old, new_basis)
+
+
+@torch.no_grad()
+def resize_rank(stage: Stage, rank: int) -> None:
+    """Give a stage's constrained parameters and basis the shapes of a ``rank``-column basis (zeros),
+    so that a snapshot taken after the rank grew loads into a stage built at the run's first rank."""
+    if stage.basis is None:
+        raise ValueError("resize_rank needs a subspace-constrained stage")
+    for module in stage.modules():
+        if isinstance(module, ResidualWrite) and module.rank:
+            _replace(module.weight, module.weight.new_zeros(rank, module.weight.shape[1]))
+            module.rank = rank
+    if stage.embed is not None:
+        _replace(stage.embed.low, stage.embed.low.new_zeros(stage.embed.low.shape[0], rank))
+    _replace(stage.basis, stage.basis.new_zeros(stage.basis.shape[0], rank))
+
+
+def _turn_rows(r: torch.Tensor):
+    """The map of rows in coordinates of ``U`` to coordinates of ``U'`` (``R^T m``; ``R^2`` for variances)."""
+    r_sq = r * r
+    return lambda m, sq=False: (r_sq if sq else r).T @ m
+
+
+def _grow_rows(extra: int):
+    """Append ``extra`` rows: zeros, or (for variances) the mean of the existing rows."""
+
+    def rows(m: torch.Tensor, sq: bool = False) -> torch.Tensor:
+        new = m.mean(0, keepdim=True).expand(extra, -1) if sq else m.new_zeros(extra, m.shape[1])
+        return torch.cat([m, new], dim=0)
+
+    return rows
+
+
+def _transform(param: torch.nn.Parameter, state: dict, rows) -> None:
+    """Apply the row map to a parameter (k x n) or an embedding's transposed view, and its AdamW moments."""
+    _replace(param, rows(param))
+    if param in state:
+        _rotate_adam_state(state[param], rows, lambda v: rows(v, True))
 
 
 def next_rotation(
-    basis: torch.Tensor, statistics: list[torch.Tensor], version: int, effective_step: int, max_angle: float
+    basis: torch.Tensor,
+    statistics: list[torch.Tensor],
+    version: int,
+    effective_step: int,
+    config: RotationConfig,
 ) -> SubspaceRotation:
-    """The rotation that follows ``version``: one Grassmann step on the summed boundary statistics."""
+    """The change that follows ``version``, computed from the summed boundary statistics: the basis
+    grows by :meth:`RotationConfig.grows` columns, or else turns by one Grassmann step."""
     total = torch.stack([s.double().cpu() for s in statistics]).sum(0)
-    new_basis = grassmann_step(basis.detach().cpu().double(), total, max_angle)
+    u = basis.detach().cpu().double()
+    extra = config.grows(u.shape[1])
+    if extra:
+        new_basis = grow_basis(u, total, extra, seed=version + 1)
+    else:
+        new_basis = grassmann_step(u, total, config.max_angle)
     return SubspaceRotation(version + 1, effective_step, new_basis)
 
 

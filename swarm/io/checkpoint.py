@@ -30,6 +30,7 @@ import torch
 from swarm.codecs.base import PayloadError
 from swarm.codecs.rvq import ResidualVQ
 from swarm.core.config import config_hash
+from swarm.core.subspace import resize_rank
 from swarm.io.artifacts import digest
 from swarm.io.data import BatchSampler
 from swarm.runtime.worker import StageWorker
@@ -106,6 +107,11 @@ def restore(worker: StageWorker, state: dict[str, Any], sampler: BatchSampler | 
             f"snapshot of stage {state['stage']} (config {state['config_hash'][:12]}) "
             f"cannot restore stage {worker.index}"
         )
+    saved_basis = state["model"].get("basis")
+    if saved_basis is not None and saved_basis.shape != worker.stage.basis.shape:
+        resize_rank(worker.stage, saved_basis.shape[1])  # the rank grew before this snapshot
+        if worker.statistic is not None:
+            worker.statistic.reset()
     worker.stage.load_state_dict(state["model"])
     for side, boundary in worker.mapl.items():
         boundary.load_state_dict(state["mapl"][side])

@@ -125,7 +125,7 @@ class LocalPipeline:
         if not stats:
             return None
         basis = self.workers[0].stage.basis
-        rotation = next_rotation(basis, stats, self.version, step + 1, self.config.rotation.max_angle)
+        rotation = next_rotation(basis, stats, self.version, step + 1, self.config.rotation)
         for w in self.workers:
             w.schedule_rotation(rotation)
         self.version = rotation.version
