@@ -99,10 +99,14 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokens are kept in the state file as SHA-256 digests; a new token is printed once. "
         "Revoking one refuses its Join at once and evicts the nodes admitted with it at their next call.",
     )
-    token.add_argument("action", choices=["create", "list", "revoke"])
-    token.add_argument("id", nargs="?", help="revoke: the token's id (or a unique prefix of it)")
-    token.add_argument("--state", default="./coordinator.sqlite", help="the coordinator's SQLite state file")
-    token.add_argument("--label", default="", help="create: who or what the token is for")
+    state = argparse.ArgumentParser(add_help=False)
+    state.add_argument("--state", default="./coordinator.sqlite", help="the coordinator's SQLite state file")
+    actions = token.add_subparsers(dest="action", required=True)
+    create = actions.add_parser("create", parents=[state], help="create a token (printed once, on stdout)")
+    create.add_argument("--label", default="", help="who or what the token is for")
+    actions.add_parser("list", parents=[state], help="ids, labels, creation and revocation times")
+    revoke = actions.add_parser("revoke", parents=[state], help="revoke a token")
+    revoke.add_argument("id", help="the token's id (or a unique prefix of it)")
     return parser
 
 
@@ -223,7 +227,7 @@ def manage_tokens(args: argparse.Namespace) -> int:
             print(secret)
             print(f"token {record.id} created; it is shown only this once", file=sys.stderr)
         elif args.action == "revoke":
-            record = tokens.revoke(args.id or "")
+            record = tokens.revoke(args.id)
             print(f"token {record.id} ({record.label or 'no label'}) revoked")
         else:
             for r in tokens.list():

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+from swarm.coordinator.cli import build_parser
 from swarm.coordinator.sessions import SessionRefused, Sessions
 from swarm.coordinator.state import CoordinatorState
 from swarm.coordinator.tokens import JoinTokens, token_id
@@ -187,3 +188,11 @@ def test_a_token_of_another_run_is_refused(tmp_path: Path):
             assert not (await run_b.status()).nodes
 
     run(scenario())
+
+
+def test_token_options_may_come_before_the_id():
+    parser = build_parser()
+    args = parser.parse_args(["token", "revoke", "--state", "run.sqlite", "3f9c2a"])
+    assert (args.action, args.id, args.state) == ("revoke", "3f9c2a", "run.sqlite")
+    with pytest.raises(SystemExit):
+        parser.parse_args(["token", "revoke", "--state", "run.sqlite"])  # no id: refused, not "revoke ''"
