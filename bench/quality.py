@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bench.throughput import Link, attempt, resolve_shaper
+from swarm.codecs.base import PayloadError
 from swarm.core.config import (
     CodecConfig,
     ModelConfig,
@@ -39,7 +40,7 @@ from swarm.core.config import (
 )
 from swarm.core.profiles import ComputeProfile, load_profile
 from swarm.io.data import TokenDataset
-from swarm.runtime.train import dense_bytes_per_token, train
+from swarm.runtime.train import TrainSummary, dense_bytes_per_token, train
 
 TARGET_FRACTIONS = (0.25, 0.5, 1.0)  # dense's loss at these fractions of its run are the targets
 
@@ -93,6 +94,7 @@ def matched_d_ff(m: ModelConfig, target: int) -> int:
 
 
 GROW_INTERVAL = 100  # steps between growths of a growing rank
+MAPL_PCA_STEPS = 20  # steps of boundary inputs whose principal directions restart MAPL's projections
 
 
 def variants(model: ModelConfig, n_stages: int) -> list[Variant]:
@@ -156,12 +158,27 @@ def variants(model: ModelConfig, n_stages: int) -> list[Variant]:
         ),
         *(growing(lo, hi) for lo, hi in ((k(128), k60), (k60, k(32)))),
         Variant(f"subspace k={k(32)} int8/token", sub(k(32)), codec("subspace", "int8_row")),
+        Variant(
+            f"subspace k={k(21)} int4/block",
+            sub(k(21)),
+            codec("subspace", "int4_block", "int4_block"),
+            lever="3x the rank of the bf16 variant at ~60x: coordinates and their gradients in 4 bits "
+            "(one fp16 scale per 64 values)",
+        ),
         Variant(f"MAPL r={k(32)}", dense, codec("mapl", mapl_rank=k(32), anchor_rank=k(32))),
         Variant(
             f"MAPL r={k(32)} + Riemannian Adam",
             dense,
             codec("mapl", mapl_rank=k(32), anchor_rank=k(32)),
             lever="projections stepped by Riemannian Adam instead of SGD",
+            stiefel_optimizer="adam",
+        ),
+        Variant(
+            f"MAPL r={k(32)}, Adam + PCA init",
+            dense,
+            codec("mapl", mapl_rank=k(32), anchor_rank=k(32), mapl_pca_steps=MAPL_PCA_STEPS),
+            lever=f"Riemannian Adam; projections restart at the top principal directions of the "
+            f"boundary inputs of the first {MAPL_PCA_STEPS} steps",
             stiefel_optimizer="adam",
         ),
         Variant("top-k (~30x)", dense, codec("identity", "topk", topk=max(1, d // 64))),
@@ -222,10 +239,13 @@ def run(
     interrupted section (an hour on a CPU) resumes where it stopped and a changed variant reruns."""
     chosen = _pick(variants(plan.model, plan.n_stages), plan.variants)
     profile = load_profile(plan.paper_profile)
-    rows = [curve(v, plan, dataset, cache, progress) for v in chosen]
+    runs = [(v, curve(v, plan, dataset, cache, progress)) for v in chosen]
+    diverged = [row for _, row in runs if "diverged" in row]
+    runs = [(v, row) for v, row in runs if "diverged" not in row]
+    rows = [row for _, row in runs]
     if plan.timing_train is not None:
         shaper = resolve_shaper(plan.shaper)
-        for v, row in zip(chosen, rows, strict=True):
+        for v, row in runs:
             row["step_seconds"] = {}
             for link in plan.links:
                 progress(f"quality: step time of {v.name} on {link.name}")
@@ -233,7 +253,8 @@ def run(
                 row["step_seconds"][link.name] = statistics.median(timed["step_seconds"])
                 row["shaper"] = timed["shaper"]
     compare(rows, plan, profile)
-    return {"rows": rows, "links": [dataclasses.asdict(x) for x in plan.links], "profile": profile.name}
+    links = [dataclasses.asdict(x) for x in plan.links]
+    return {"rows": rows, "diverged": diverged, "links": links, "profile": profile.name}
 
 
 def _changed(values: dict, defaults: dict) -> dict:
@@ -272,8 +293,20 @@ def curve(
         progress(f"quality: {v.name} from {saved}")
         return json.loads(saved.read_text())
     progress(f"quality: training {v.name}")
-    s = train(config, "auto", dataset, False, eval_batches=plan.eval_batches)
-    row = {
+    try:
+        s = train(config, "auto", dataset, False, eval_batches=plan.eval_batches)
+    except PayloadError as e:  # non-finite values reached a boundary: the variant diverged
+        row = {"variant": v.name, "lever": v.lever, "diverged": str(e)}
+    else:
+        row = _trained_row(v, config, s)
+    if saved is not None:
+        saved.parent.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(row))
+    return json.loads(json.dumps(row))  # the same types whether trained now or read back
+
+
+def _trained_row(v: Variant, config: RunConfig, s: TrainSummary) -> dict:
+    return {
         "variant": v.name,
         "lever": v.lever,
         "parameters": parameter_count(v.model),
@@ -284,10 +317,6 @@ def curve(
         "final_val_loss": s.final_val_loss,
         "train_seconds": s.seconds,
     }
-    if saved is not None:
-        saved.parent.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps(row))
-    return json.loads(json.dumps(row))  # the same types whether trained now or read back
 
 
 def compare(rows: list[dict], plan: QualityPlan, profile: ComputeProfile) -> None:

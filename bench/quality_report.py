@@ -67,6 +67,8 @@ def section(r: dict) -> list[str]:
     levers = [row for row in rows if row["lever"]]
     if levers:
         out += ["", "Levers: " + "; ".join(f"{row['variant']}: {row['lever']}" for row in levers) + "."]
+    for row in q.get("diverged", []):
+        out += ["", f"Diverged (no curve): {row['variant']}: {row['diverged']}."]
     out += [
         "",
         "Time to dense's loss at 50% and at 100% of its run: `swarm` = steps x the variant's median step "

@@ -126,7 +126,9 @@ def markdown(r: dict) -> str:
         *_generation_section(r),
         *_averaging_section(r),
         *_replicas_section(r),
+        *_replica_sync_section(r),
         *quality_report.section(r),
+        *_precision_section(r),
         f"Section times (s): {', '.join(f'{k} {v:.0f}' for k, v in r['seconds'].items())}.",
     ]
     return "\n".join(out) + "\n"
@@ -317,6 +319,68 @@ def _replicas_section(r: dict) -> list[str]:
                 ("averaging B/step", "averaging_bytes_per_replica_step", ",.0f"),
                 ("averaging s/round", "averaging_s_per_round", ".3f"),
                 ("boundary B/step", "boundary_bytes_per_step", ",.0f"),
+            ],
+        ),
+        "",
+    ]
+
+
+def _replica_sync_section(r: dict) -> list[str]:
+    if "replica_sync" not in r:
+        return []
+    rs, plan = r["replica_sync"], r["plan"]["replica_sync"]
+    return [
+        "## Keeping replicas identical: per-step averaging against outer steps (loopback)",
+        f"{rs['replicas']} replicas of a one-stage {plan['model']['d_model']}-wide, "
+        f"{plan['model']['n_layers']}-layer model ({rs['rows'][0]['parameters']:,} trainable parameters), "
+        f"{rs['steps']} steps on the same batches, each replica on half of every step's microbatches "
+        "(`replica_sync` in the run configuration). Bytes: what one replica sent, per trainable "
+        f"parameter; seconds at link: those bytes per step at {rs['link_mbps']:g} Mbit/s; loss: the "
+        f"mean training loss of the last {plan['tail']} steps.",
+        "",
+        _table(
+            rs["rows"],
+            [
+                ("mode", "mode", ""),
+                ("B/param/sync", "bytes_per_parameter_per_sync", ".3f"),
+                ("B/param/step", "bytes_per_parameter_per_step", ".3f"),
+                ("x fewer bytes", "bytes_vs_per_step", ".0f"),
+                ("s/step at link", "seconds_per_step_at_link", ".4f"),
+                ("loss", "loss_at_equal_tokens", ".3f"),
+                ("loss / per-step", "loss_vs_per_step", ".3f"),
+            ],
+        ),
+        "",
+    ]
+
+
+def _precision_section(r: dict) -> list[str]:
+    if "precision" not in r:
+        return []
+    p, plan = r["precision"], r["plan"]["precision"]
+    model, train = plan["model"], plan["train"]
+    peak = "no known peak"
+    if p["peak_bf16_tflops"]:
+        peak = f"its dense bf16 peak, {p['peak_bf16_tflops']:.0f} TFLOP/s"
+    return [
+        "## Mixed precision: the single-process trainer in fp32 and bf16",
+        f"On {p['device']} ({peak}; fp32 matmul precision {p['float32_matmul_precision']!r}): "
+        f"d={model['d_model']}, {model['n_layers']} layers, batch {train['batch_size']} x {train['seq_len']} "
+        f"in {train['microbatches']} microbatches, random tokens, {plan['steps']} timed steps after "
+        f"{plan['warmup_steps']} warm-up. {p['flops_per_token'] / 1e6:.1f} model MFLOP per token "
+        "(forward + backward); MFU against the bf16 peak for both precisions.",
+        "",
+        _table(
+            p["rows"],
+            [
+                ("stages", "n_stages", ""),
+                ("precision", "precision", ""),
+                ("tokens/s", "tokens_per_s", ",.0f"),
+                ("model TFLOP/s", "model_tflops_per_s", ".3f"),
+                ("MFU", "mfu", ".1%"),
+                ("vs fp32", "speedup_vs_fp32", ".2f"),
+                ("vs fewest stages", "vs_first_stage_count", ".2f"),
+                ("loss at last step", "final_loss", ".3f"),
             ],
         ),
         "",

@@ -28,7 +28,9 @@ from bench import (
     overhead,
     paper_scale,
     peer,
+    precision,
     quality,
+    replica_sync,
     replicas,
     report,
     throughput,
@@ -63,7 +65,9 @@ class BenchPlan:
     paper_scale: paper_scale.PaperScalePlan | None = None
     averaging: averaging.AveragingPlan | None = None
     replicas: replicas.ReplicaPlan | None = None
+    replica_sync: replica_sync.ReplicaSyncPlan | None = None
     quality: quality.QualityPlan | None = None
+    precision: precision.PrecisionPlan | None = None
 
 
 def plan(quick: bool) -> BenchPlan:
@@ -106,6 +110,13 @@ def plan(quick: bool) -> BenchPlan:
             replicas=replicas.ReplicaPlan(
                 tiny, TrainConfig(steps=8, batch_size=8, seq_len=32, microbatches=4), counts=(1, 2)
             ),
+            replica_sync=replica_sync.ReplicaSyncPlan(
+                dataclasses.replace(tiny, n_layers=2),
+                TrainConfig(steps=10, batch_size=4, seq_len=32, microbatches=2, lr=1e-2),
+                every=(5,),
+                formats=("int8",),
+                tail=3,
+            ),
             quality=quality.QualityPlan(
                 tiny,
                 TrainConfig(steps=20, batch_size=4, seq_len=32, microbatches=2, lr=1e-2, eval_every=5),
@@ -115,6 +126,9 @@ def plan(quick: bool) -> BenchPlan:
                 eval_batches=2,
                 timing_train=TrainConfig(steps=4, batch_size=4, seq_len=32, microbatches=2),
                 shaper="transport",
+            ),
+            precision=precision.PrecisionPlan(
+                tiny, TrainConfig(batch_size=4, seq_len=32, microbatches=2), stage_counts=(1, 2), steps=2
             ),
         )
     small = MODEL_PRESETS["small"]
@@ -167,6 +181,10 @@ def plan(quick: bool) -> BenchPlan:
         replicas=replicas.ReplicaPlan(
             MODEL_PRESETS["tiny"], TrainConfig(steps=40, batch_size=12, seq_len=64, microbatches=6)
         ),
+        replica_sync=replica_sync.ReplicaSyncPlan(
+            dataclasses.replace(MODEL_PRESETS["tiny"], n_layers=2),
+            TrainConfig(steps=100, batch_size=4, seq_len=32, microbatches=2, lr=1e-2),
+        ),
         quality=quality.QualityPlan(
             small,
             TrainConfig(
@@ -182,13 +200,30 @@ def plan(quick: bool) -> BenchPlan:
                 "subspace k=4 + full-rank last stage",
                 "subspace k=4 + parameter-matched FFN",
                 "subspace k=4 + rotation",
-                # also in the line-up, not run at 1000 steps yet (CPU time): "MAPL r=8",
-                # "MAPL r=8 + Riemannian Adam", "subspace k=32", "subspace k=8 int8/token", "top-k (~30x)"
+                "subspace k=2->4 growing",
+                "subspace k=4->8 growing",
+                "subspace k=12 int4/block",
+                "subspace k=8 int8/token",
+                "subspace k=32",
+                "MAPL r=8",
+                "MAPL r=8 + Riemannian Adam",
+                "MAPL r=8, Adam + PCA init",
+                "top-k (~30x)",
             ],
             links=[Link("80 Mbit/s, 50 ms RTT", 80, 25), Link("200 Mbit/s, 50 ms RTT", 200, 25)],
             timing_train=TrainConfig(steps=6, batch_size=8, seq_len=128, microbatches=2),
         ),
+        precision=_precision_plan(),
     )
+
+
+def _precision_plan() -> precision.PrecisionPlan:
+    """On CUDA the 150m preset, the size the GPU throughput goals are stated for; on a CPU the small one."""
+    if torch.cuda.is_available():
+        train = TrainConfig(batch_size=16, seq_len=1024, microbatches=4)
+        return precision.PrecisionPlan(MODEL_PRESETS["150m"], train, warmup_steps=2, steps=5)
+    train = TrainConfig(batch_size=8, seq_len=128, microbatches=4)
+    return precision.PrecisionPlan(MODEL_PRESETS["small"], train)
 
 
 def _cases(model: ModelConfig) -> list[CodecCase]:
@@ -259,8 +294,12 @@ def sections(p: BenchPlan, quick: bool, cache: Path | None = None) -> dict[str, 
         out["averaging"] = lambda: averaging.run(p.averaging)
     if p.replicas is not None:
         out["replicas"] = lambda: replicas.run(p.replicas)
+    if p.replica_sync is not None:
+        out["replica_sync"] = lambda: replica_sync.run(p.replica_sync)
     if p.quality is not None:
         out["quality"] = lambda: _quality(p.quality, cache)
+    if p.precision is not None:
+        out["precision"] = lambda: precision.run(p.precision)
     return out
 
 

@@ -83,6 +83,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=CoordinatorSettings.dead_after_s,
         help="seconds without heartbeat before death",
     )
+    serve.add_argument(
+        "--reach-timeout",
+        type=float,
+        default=CoordinatorSettings.reach_timeout_s,
+        help="seconds the dial-back of a joining node's announced address may take; unanswered, the "
+        "node is placed as dial-only (0: no dial-back, announced addresses are trusted)",
+    )
     serve.add_argument("--log-format", choices=logs.FORMATS, default="text", help="text lines or JSON lines")
     tls.add_arguments(serve)
     export = sub.add_parser(
@@ -274,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
             None,
             Metrics("coordinator"),
             [],
-            CoordinatorSettings(dead_after_s=args.dead_after),
+            CoordinatorSettings(dead_after_s=args.dead_after, reach_timeout_s=args.reach_timeout),
             security=security,
         )
         uvloop.run(serve(service, where))

@@ -2,18 +2,22 @@
 
 Every change of stage owners goes through :meth:`Planner.replan`, the one place that reassigns
 stages: free stages go to standbys (join order), then, when the run allows replicas, the remaining
-standbys that can average become replicas of the weakest stages. When the owners change a new
-plan epoch starts (:meth:`Planner.new_epoch`, also started when a node reports a broken boundary
-or a replica averages at a new address). Nothing here awaits: the handlers share one event loop,
-so the in-memory plan needs no lock. Once the run is complete, membership changes no longer
-replan it.
+standbys that can average become replicas of the weakest stages; every link is kept connectable
+where some placement can (:func:`~swarm.coordinator.assignment.place`), and what cannot is in
+:attr:`Planner.problems` (logged, and shown by ``Status``). A link that fails in two consecutive
+epochs between two live nodes is placed around the same way (:meth:`Planner.link_failed`). When
+the owners change a new plan epoch starts (:meth:`Planner.new_epoch`, also started when a node
+reports a broken boundary or a replica averages at a new address). Nothing here awaits: the
+handlers share one event loop, so the in-memory plan needs no lock. Once the run is complete,
+membership changes no longer replan it.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
-from swarm.coordinator.assignment import Owners, add_replicas, assign, links_for
+from swarm.coordinator.assignment import Owners, Reach, add_replicas, links_for, place, unconnectable
 from swarm.coordinator.ledger import Ledger
 from swarm.coordinator.progress import Progress
 from swarm.coordinator.roster import Roster
@@ -21,6 +25,8 @@ from swarm.coordinator.state import NodeRecord
 
 from swarm._proto.swarm.v1 import coordinator_pb2
 from swarm.core.config import RunConfig
+
+log = logging.getLogger("swarm.coordinator")
 
 
 class Planner:
@@ -37,6 +43,8 @@ class Planner:
     ):
         self.config, self.roster, self.ledger, self.progress = config, roster, ledger, progress
         self.ended = ended
+        self._failed: dict[frozenset[str], int] = {}  # a pair of nodes -> the last epoch their link failed
+        self.problems: list[str] = self._problems(roster.owners())
         self._deal()
 
     def evict(self, node: NodeRecord) -> None:
@@ -49,13 +57,36 @@ class Planner:
     def replan(self, before: Owners) -> None:
         """Reassign stages (the one place that does); a new epoch when the owners differ from ``before``."""
         if not self.progress.run_complete:
-            owners = assign(self.roster.owners(), self.roster.standbys())
+            reach = self.roster.reach()
+            owners = place(self.roster.owners(), self.roster.members(), reach)
             if self.config.train.replicas > 1:
-                owners = self._add_replicas(owners)
+                owners = self._add_replicas(owners, reach)
             self.roster.host(owners)
+            self._show_problems(self._problems(owners))
             if owners != before:
                 self.new_epoch("stage owners changed")
         self.roster.show_alive()
+
+    def link_failed(self, node_id: str, peer_id: str, epoch: int) -> bool:
+        """Note that the planned link between the live nodes ``node_id`` and ``peer_id`` broke or
+        did not open in ``epoch``. The second epoch in a row, the pair counts as unable to connect
+        and the stages are placed around it where some placement can (a standby, else another
+        stage's node, takes one end's place); whether that started a new epoch."""
+        if not any(link.peer_node_id == peer_id for link in self._links(node_id)):
+            return False  # not a link of this plan (replicas average over their P2P)
+        pair = frozenset((node_id, peer_id))
+        again, self._failed[pair] = self._failed.get(pair) == epoch - 1, epoch
+        if not again:
+            return False
+        log.warning(
+            "the link between nodes %s and %s failed in two consecutive epochs: placing around it",
+            node_id[:8],
+            peer_id[:8],
+        )
+        self.roster.broken.add(pair)
+        before = self.ledger.plan_epoch
+        self.replan(self.roster.owners())
+        return self.ledger.plan_epoch != before
 
     def new_epoch(self, reason: str) -> None:
         """Start a plan epoch with the current owners (microbatches dealt anew)."""
@@ -97,7 +128,44 @@ class Planner:
         owners = self.roster.owners()
         self.ledger.deal(owners, self.roster.rates(owners))
 
-    def _add_replicas(self, owners: list[tuple[str, ...]]) -> list[tuple[str, ...]]:
+    def _problems(self, owners: Owners) -> list[str]:
+        """What keeps ``owners`` from connecting: links no end of which accepts, free stages that
+        only dial-only standbys could take."""
+        reach, nodes = self.roster.reach(), self.roster.nodes
+
+        def who(node_id: str) -> str:
+            name = nodes[node_id].name
+            return f"{name} ({node_id[:8]})" if name else node_id[:8]
+
+        problems = [
+            f"boundary {b}: {who(up)} and {who(down)} "
+            + (
+                "failed to connect in two consecutive epochs"
+                if frozenset((up, down)) in reach.broken
+                else "are both dial-only"
+            )
+            + " and no placement avoids them: this link cannot open (no relay yet)"
+            for b, up, down in unconnectable(owners, reach)
+        ]
+        standbys = [who(n) for n, _ in self.roster.standbys()]
+        free = [str(s) for s, hosts in enumerate(owners) if not hosts]
+        if standbys and free:
+            problems.append(
+                f"free stages {', '.join(free)}: no standby fits, {', '.join(standbys)} cannot link to "
+                "their neighbours (dial-only next to dial-only); a node with an open port is needed"
+            )
+        return problems
+
+    def _show_problems(self, problems: list[str]) -> None:
+        """Log what changed in the plan's problems."""
+        for problem in problems:
+            if problem not in self.problems:
+                log.warning("plan problem: %s", problem)
+        if self.problems and not problems:
+            log.info("every planned link can connect again")
+        self.problems = problems
+
+    def _add_replicas(self, owners: list[tuple[str, ...]], reach: Reach) -> list[tuple[str, ...]]:
         """Standbys that can average (a P2P address) join the stages of least measured capacity,
         once every host has measured its own (placing blindly could feed a stage that is not the
         bottleneck); a stage whose hosts cannot all average takes none."""
@@ -112,7 +180,7 @@ class Planner:
         ]
         closed = [s for s, hosts in enumerate(owners) if not all(averaging.get(n) for n in hosts)]
         measured = {n: capacity.get(n, 0.0) for hosts in owners for n in hosts}
-        return add_replicas(owners, waiting, measured, self.config.train.replicas, closed)
+        return add_replicas(owners, waiting, measured, self.config.train.replicas, closed, reach)
 
     def _links(self, node_id: str) -> list[coordinator_pb2.BoundaryLink]:
         """``node_id``'s dial plan, each boundary with its secret for this epoch (``link_secret``)."""

@@ -1,4 +1,4 @@
-"""Who is in the run: its nodes, their liveness, identities, capacity and averaging addresses.
+"""Who is in the run: its nodes, their liveness, reachability, identities, capacity and averaging addresses.
 
 Every change here is synchronous (the coordinator's handlers share one event loop, so a change
 that never awaits needs no lock) and nodes are written through to the state file. What a change
@@ -8,18 +8,20 @@ of membership means for the plan is :class:`~swarm.coordinator.planner.Planner`'
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
-import grpc
-from swarm.coordinator.assignment import Owners, stages_of
+from swarm.coordinator.assignment import Owners, Reach, stages_of
+from swarm.coordinator.reachability import ping
 from swarm.coordinator.settings import CoordinatorSettings
 from swarm.coordinator.state import CoordinatorState, NodeRecord
 
-from swarm._proto.swarm.v1 import coordinator_pb2, stage_pb2, stage_pb2_grpc
-from swarm.net.channel import open_channel
-from swarm.net.tls import NODE_SERVER_NAME, Security
+from swarm._proto.swarm.v1 import coordinator_pb2
+from swarm.net.tls import Security
 from swarm.ops.metrics import Metrics
 from swarm.runtime.replicas import unmeasured_rate
+
+log = logging.getLogger("swarm.coordinator")
 
 
 class Roster:
@@ -44,6 +46,8 @@ class Roster:
         # (`token create`), else itself (nodes sharing the operator's token cannot be linked)
         self.party: dict[str, str] = {}
         self.certificate_of: dict[str, str] = {}  # node id -> its client certificate's name (mutual TLS)
+        # pairs of nodes whose planned link failed to connect in two consecutive epochs (not persisted)
+        self.broken: set[frozenset[str]] = set()
         for node_id, (party, certificate) in state.identities().items():
             self.party[node_id] = party
             if certificate:
@@ -64,6 +68,10 @@ class Roster:
                 owners[s] = (*owners[s], node.id)
         return owners
 
+    def members(self) -> list[tuple[str, int]]:
+        """The alive nodes with how many stages each may host (join order)."""
+        return [(n.id, n.max_stages) for n in self.nodes.values() if n.alive]
+
     def standbys(self) -> list[tuple[str, int]]:
         """The alive nodes hosting nothing, with how many stages each may host (join order)."""
         return [(n.id, n.max_stages) for n in self.nodes.values() if n.alive and not n.stages]
@@ -73,8 +81,14 @@ class Roster:
         return any(n.alive and not n.stages and self.averaging.get(n.id) for n in self.nodes.values())
 
     def addresses(self) -> dict[str, str]:
-        """Each alive node's announced address."""
-        return {n.id: n.address for n in self.nodes.values() if n.alive}
+        """Each alive node's announced address, if the coordinator reached it (others only dial)."""
+        return {n.id: n.address for n in self.nodes.values() if n.alive and n.reachable}
+
+    def reach(self) -> Reach:
+        """Who accepts inbound streams (the alive nodes the coordinator reached), which pairs cannot
+        connect."""
+        dial_only = frozenset(n.id for n in self.nodes.values() if n.alive and not n.reachable)
+        return Reach(dial_only, frozenset(self.broken))
 
     def silent(self) -> list[NodeRecord]:
         """The alive nodes silent for longer than ``dead_after_s``: to be declared dead."""
@@ -157,20 +171,36 @@ class Roster:
                     subspace_version=beat.subspace_version,
                     left=n.id in self.left,
                     last_stages=n.stages or self.last_stages.get(n.id, []),
+                    reachable=n.reachable,
                 )
             )
         return nodes
 
+    async def dial_back(self, name: str, address: str, security: Security) -> tuple[bool, str]:
+        """Whether the joining node ``name`` accepts streams at its announced ``address`` (a Stage
+        Ping answered within ``reach_timeout_s``), and a line for its log saying what was tried.
+        Dial-only joins are counted in ``swarm_unreachable_joins``."""
+        if not address:
+            self.metrics.unreachable_joins.labels(reason="no_address").inc()
+            return False, "no address announced: placed as dial-only (this node dials its neighbours)"
+        timeout = self.settings.reach_timeout_s
+        if timeout <= 0:
+            return True, f"{address} taken on trust (the coordinator does not check reachability)"
+        error = await ping(address, security, timeout)
+        if not error:
+            return True, f"the coordinator reached {address}"
+        self.metrics.unreachable_joins.labels(reason="no_answer").inc()
+        log.warning("node %r announced %s, which does not answer (%s): dial-only", name, address, error)
+        return False, (
+            f"the coordinator could not reach {address} within {timeout:g}s ({error}): placed as "
+            "dial-only; open that port to it (and to the other nodes), or --announce an address that is"
+        )
+
     async def answers(self, node: NodeRecord, security: Security) -> bool:
         """Whether a node is alive after all: it answers a Ping within ``probe_timeout_s``, or, failing
         that, still heartbeats for two more intervals (its port may just be out of our reach)."""
-        async with open_channel(node.address, security, server_name=NODE_SERVER_NAME) as channel:
-            try:
-                timeout = self.settings.probe_timeout_s
-                await stage_pb2_grpc.StageStub(channel).Ping(stage_pb2.PingRequest(), timeout=timeout)
-                return True
-            except grpc.aio.AioRpcError:
-                pass
+        if not await ping(node.address, security, self.settings.probe_timeout_s):
+            return True
         silent_for = 2 * self.settings.heartbeat_interval_ms / 1000
         seen = self.last_seen[node.id]
         await asyncio.sleep(max(0.0, seen + silent_for - time.monotonic()))

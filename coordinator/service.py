@@ -16,7 +16,9 @@ All handlers run on one event loop and never await while they change the members
 so the in-memory plan needs no lock; every change is written through to SQLite
 (:mod:`swarm.coordinator.state`) and a restarted coordinator resumes from there.
 ``Status`` and ``GetRunConfig`` are open; every other call after ``Join`` needs the node's
-session credential (node ids alone grant nothing).
+session credential (node ids alone grant nothing). ``Join`` dials the node's announced address
+back (:meth:`~swarm.coordinator.roster.Roster.dial_back`): a node it cannot reach is placed as
+dial-only, and told so in the reply.
 
 Epochs. Whenever a stage changes owner (a node joins into a free stage, leaves, or is
 declared dead) or a node reports a broken boundary, a new plan epoch starts: it resumes
@@ -156,21 +158,26 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.planner.evict(node)
 
     def status(self, since_step: int = 0) -> coordinator_pb2.StatusReply:
-        """The run, its nodes and the completed steps >= ``since_step``."""
-        return self.progress.status(self.config_hash, since_step)
+        """The run, its nodes, the completed steps >= ``since_step`` and the plan's problems."""
+        reply = self.progress.status(self.config_hash, since_step)
+        reply.plan_problems.extend(self.planner.problems)
+        return reply
 
     # -- membership ---------------------------------------------------------------------------
 
     async def Join(self, request, context):
         admitted = await self.gate.admit(request, context)
+        address = request.announce_address
+        reachable, reachability = await self.roster.dial_back(request.node_name, address, self.security)
         node = NodeRecord(
             id=uuid.uuid4().hex,
             name=request.node_name,
-            address=request.announce_address,
+            address=address,
             device=request.device,
             max_stages=max(1, request.max_stages),
             stages=[],
             alive=True,
+            reachable=reachable,
         )
         before = self.roster.owners()
         self.roster.add(node, *self.gate.identity(node.id, admitted, context))
@@ -188,6 +195,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             dht_initial_peers=self.dht_peers,
             plan=self.planner.plan_for(node),
             run_complete=self.progress.run_complete,
+            reachable=reachable,
+            reachability=reachability,
         )
 
     async def Heartbeat(self, request, context):
@@ -249,14 +258,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if request.bad_input and peer is not None and self.planner.neighbours(request.node_id, peer.id):
             self.judge.accusation(self.roster.nodes[request.node_id], peer, request.reason)
             return
-        answered = peer is None or not peer.address or await self.roster.answers(peer, self.security)
+        answered = peer is None or not peer.reachable or await self.roster.answers(peer, self.security)
         # Re-check after the probe: the epoch may have moved on meanwhile.
         if self.progress.run_complete or request.plan_epoch != self.ledger.plan_epoch:
             return
         if not answered and peer.alive:
             log.info("node %s does not answer after a failure report: declared dead", peer.id[:8])
             self.planner.evict(peer)
-        else:
+        elif peer is None or not self.planner.link_failed(request.node_id, peer.id, request.plan_epoch):
             self.planner.new_epoch(f"node {request.node_id[:8]}: {request.reason}")
 
     # -- run configuration and artifacts ------------------------------------------------------

@@ -18,7 +18,9 @@ class CoordinatorSettings:
     are told to heartbeat; ``session_ttl_s``: lifetime of a session credential (heartbeats renew it
     at half); ``resume_grace_s``: a restarted coordinator gives the nodes that were alive at least this
     long to heartbeat again; ``probe_timeout_s``: a node that does not answer a Ping this fast after a
-    failure report is dead; ``max_snapshot_bytes``: the largest stage snapshot accepted;
+    failure report is dead; ``reach_timeout_s``: how long the Ping that checks a joining node's
+    announced address may take (unanswered: the node is placed as dial-only; 0: no check, every
+    announced address is taken on trust); ``max_snapshot_bytes``: the largest stage snapshot accepted;
     ``export_wait_s``: how long a stopping coordinator waits for the final model to be written.
     """
 
@@ -27,5 +29,6 @@ class CoordinatorSettings:
     session_ttl_s: float = 3600.0
     resume_grace_s: float = 10.0
     probe_timeout_s: float = 2.0
+    reach_timeout_s: float = 4.0
     max_snapshot_bytes: int = 16 << 30
     export_wait_s: float = 120.0

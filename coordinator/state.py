@@ -30,7 +30,7 @@ CREATE TABLE IF NOT EXISTS run (
 );
 CREATE TABLE IF NOT EXISTS nodes (
     id TEXT PRIMARY KEY, name TEXT, address TEXT, device TEXT, max_stages INTEGER NOT NULL,
-    stages TEXT NOT NULL, alive INTEGER NOT NULL, joined REAL, updated REAL
+    stages TEXT NOT NULL, alive INTEGER NOT NULL, joined REAL, updated REAL, reachable INTEGER
 );
 CREATE TABLE IF NOT EXISTS steps (
     step INTEGER NOT NULL, stage INTEGER NOT NULL, loss REAL, tokens INTEGER, bytes_forward INTEGER,
@@ -77,6 +77,7 @@ class NodeRecord:
     max_stages: int
     stages: list[int]
     alive: bool
+    reachable: bool = False  # the coordinator reached ``address`` at Join (else the node only dials)
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,9 @@ class CoordinatorState:
         self.db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
         self.db.execute("PRAGMA journal_mode=WAL")
         self.db.executescript(SCHEMA)
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(nodes)")}
+        if "reachable" not in columns:  # a state file from before reachability was measured
+            self.db.execute("ALTER TABLE nodes ADD COLUMN reachable INTEGER")
 
     def open_run(self, run_id: str | None, config: RunConfig) -> RunRecord:
         """Store a new run (``run_id`` or a fresh id, a fresh auth secret), or resume the stored one.
@@ -131,10 +135,10 @@ class CoordinatorState:
     def upsert_node(self, node: NodeRecord) -> None:
         now = time.time()
         self.db.execute(
-            "INSERT INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
+            "INSERT INTO nodes VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(id) DO UPDATE SET "
             "name=excluded.name, address=excluded.address, device=excluded.device, "
             "max_stages=excluded.max_stages, stages=excluded.stages, alive=excluded.alive, "
-            "updated=excluded.updated",
+            "updated=excluded.updated, reachable=excluded.reachable",
             (
                 node.id,
                 node.name,
@@ -145,6 +149,7 @@ class CoordinatorState:
                 node.alive,
                 now,
                 now,
+                node.reachable,
             ),
         )
 
@@ -160,11 +165,16 @@ class CoordinatorState:
         return {node_id: (party, certificate) for node_id, party, certificate in rows}
 
     def nodes(self) -> list[NodeRecord]:
-        """Every node ever admitted, in join order."""
+        """Every node ever admitted, in join order (one stored before reachability was measured
+        counts as reachable when it announced an address)."""
         rows = self.db.execute(
-            "SELECT id, name, address, device, max_stages, stages, alive FROM nodes ORDER BY joined, rowid"
+            "SELECT id, name, address, device, max_stages, stages, alive, reachable FROM nodes "
+            "ORDER BY joined, rowid"
         )
-        return [NodeRecord(r[0], r[1], r[2], r[3], r[4], json.loads(r[5]), bool(r[6])) for r in rows]
+        return [
+            NodeRecord(*r[:5], json.loads(r[5]), bool(r[6]), bool(r[2] if r[7] is None else r[7]))
+            for r in rows
+        ]
 
     def record_step(
         self,

@@ -135,9 +135,15 @@ class CoordinatorClient:
             self._changed.set()
 
     async def join(self, request: cpb.JoinRequest) -> cpb.JoinReply:
+        """Join the run; logs what the coordinator found dialling this node's announced address back
+        (a warning naming it when it could not reach it: the node is then placed as dial-only)."""
         reply = await self.call("Join", request)
         self.node_id, self.plan, self.run_complete = reply.node_id, reply.plan, reply.run_complete
         self.credentials = session_metadata(reply.node_id, reply.session)
+        if request.announce_address and not reply.reachable:
+            log.warning("not reachable: %s", reply.reachability)
+        else:
+            log.info("reachability: %s", reply.reachability)
         return reply
 
     # -- background tasks ---------------------------------------------------------------------

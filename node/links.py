@@ -153,6 +153,7 @@ def sync_to_message(sync: BoundarySync) -> stage_pb2.StageMessage:
             boundary=sync.boundary,
             mapl_gradients=sync.mapl_gradients,
             codebook_delta=sync.codebook_delta,
+            mapl_projection=sync.mapl_projection,
         )
     )
 
@@ -168,7 +169,7 @@ def item_from_message(msg: stage_pb2.StageMessage) -> Item:
         raise UnexpectedMessage(f"{body or 'empty'} message on an open boundary stream")
     if body == "sync":
         s = msg.sync
-        return BoundarySync(s.step, s.boundary, s.mapl_gradients, s.codebook_delta)
+        return BoundarySync(s.step, s.boundary, s.mapl_gradients, s.codebook_delta, s.mapl_projection)
     if body == "error":
         name = stage_pb2.ErrorCode.Name(msg.error.code)
         raise LinkError(f"peer reported {name}: {msg.error.message}")

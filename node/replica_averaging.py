@@ -7,6 +7,11 @@ the gradient one replica would compute on the global batch (the loss is already 
 the step's microbatch count), the stage's tokens and loss. On the steps a boundary statistic
 is reported, the statistic each replica accumulated on its own microbatches is summed too.
 
+With ``replica_sync.mode = "outer"`` only the counts (and statistic) are summed every step;
+each replica steps on its own gradient (scaled to the mean over its own microbatches), and
+every ``replica_sync.every`` steps, at checkpoint cuts and at the end, the replicas average
+their pseudo-gradients and take the outer step (:mod:`swarm.runtime.outer_step`).
+
 A round that loses a member fails the step with :class:`ReplicaLost` naming it (or, for a
 refused part, :class:`ReplicaPoisoned`, which gets the sender evicted); the coordinator then
 starts a new epoch without it from the latest cut, as for any lost neighbour.
@@ -26,7 +31,9 @@ from swarm.node.schedule import StepCounts
 
 from swarm.ops.logs import say
 from swarm.ops.metrics import Metrics
-from swarm.runtime.averaging import ReplicaAverager, Round, RoundFailed, shares
+from swarm.runtime.averaging import ReplicaAverager, Round, RoundFailed, RoundStats, shares
+from swarm.runtime.outer_step import OuterStep, sync_due
+from swarm.runtime.sync_formats import SyncFormat
 from swarm.runtime.worker import StageWorker
 
 
@@ -75,6 +82,8 @@ class ReplicaGroup:
         self.metrics, self.stage = metrics, key.rsplit("/", 1)[-1]
         self.rounds = self.bytes_sent = 0
         self.seconds = 0.0
+        self.outer: OuterStep | None = None  # made at the first step of an outer-step run
+        self.syncs = self.sync_bytes = 0
 
     async def connect(self) -> None:
         """Open the P2P connections to the other replicas (their addresses are in the plan)."""
@@ -89,10 +98,18 @@ class ReplicaGroup:
 
     async def combine(self, step: int, worker: StageWorker, counts: StepCounts) -> StepCounts:
         params = worker.parameters()
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        summed = [p.grad for p in params]
+        summed: list[torch.Tensor] = []
+        if worker.config.replica_sync.mode == "outer":
+            self.outer = self.outer or OuterStep(params, worker.config.replica_sync)
+            scale = self.total / self.me.microbatches  # the mean over this replica's own microbatches
+            for p in params:
+                if p.grad is not None:
+                    p.grad.mul_(scale)
+        else:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            summed = [p.grad for p in params]
         vector = torch.tensor(
             [
                 counts.tokens,
@@ -118,19 +135,12 @@ class ReplicaGroup:
             shares(numel, [1.0] * len(self.siblings)),
             tuple(float(s.microbatches) for s in self.siblings),
         )
-        start = time.perf_counter()
-        try:
-            stats = await self.averager.average(round_, means)
-        except RoundFailed as e:
-            raise self._lost(e) from e
-        seconds = time.perf_counter() - start
+        stats, seconds = await self._average(round_, means)
         self.rounds, self.bytes_sent, self.seconds = (
             self.rounds + 1,
             self.bytes_sent + stats.bytes_sent,
             self.seconds + seconds,
         )
-        self.metrics.averaging_bytes.labels(self.stage).inc(stats.bytes_sent)
-        self.metrics.averaging_seconds.labels(self.stage).observe(seconds)
         totals = [t * self.total for t in means]
         for target, total in zip(summed, totals, strict=False):
             target.copy_(total)
@@ -140,14 +150,51 @@ class ReplicaGroup:
         v = totals[-1].tolist()
         return StepCounts(round(v[0]), v[1], round(v[2]), round(v[3]), round(v[4]), v[5] > 0.5)
 
+    async def after_step(self, step: int, worker: StageWorker, cut: bool) -> None:
+        """After the optimizer step of an outer-step run: on a sync step (``cut``: the step is a
+        checkpoint cut), average the pseudo-gradients and take the outer step."""
+        config = worker.config
+        cut = cut or config.checkpoint.is_cut(step, config.train.steps)
+        if self.outer is None or not sync_due(config.replica_sync, step, config.train.steps, cut):
+            return
+        sent = self.outer.pseudo_gradient()
+        round_ = Round(
+            f"{self.key}/{step}/outer",
+            tuple(s.peer_id for s in self.siblings),
+            shares(sum(t.numel() for t in sent), [1.0] * len(self.siblings)),
+            tuple(float(s.microbatches) for s in self.siblings),
+        )
+        stats, seconds = await self._average(round_, sent, self.outer.format)
+        self.outer.apply(sent)
+        self.syncs, self.sync_bytes = self.syncs + 1, self.sync_bytes + stats.bytes_sent
+        self.seconds += seconds
+
+    async def _average(
+        self, round_: Round, tensors: list[torch.Tensor], fmt: SyncFormat | None = None
+    ) -> tuple[RoundStats, float]:
+        """One round (its failure: the replica it lost), counted in the metrics; its stats and seconds."""
+        start = time.perf_counter()
+        try:
+            stats = await self.averager.average(round_, tensors, fmt)
+        except RoundFailed as e:
+            raise self._lost(e) from e
+        seconds = time.perf_counter() - start
+        self.metrics.averaging_bytes.labels(self.stage).inc(stats.bytes_sent)
+        self.metrics.averaging_seconds.labels(self.stage).observe(seconds)
+        return stats, seconds
+
     def summary(self) -> str:
-        """What averaging cost this replica so far (printed at the end of an epoch)."""
-        per_round = self.bytes_sent / self.rounds if self.rounds else 0
+        """What averaging cost this replica so far (printed at the end of an epoch): per-step rounds
+        (bytes and seconds per round include the outer syncs'), and outer syncs if any."""
+        per_round = (self.bytes_sent + self.sync_bytes) / self.rounds if self.rounds else 0
         seconds = self.seconds / self.rounds if self.rounds else 0.0
-        return (
+        line = (
             f"stage {self.stage} averaging: {self.rounds} rounds, {per_round:.0f} bytes sent "
             f"and {seconds:.3f} s per round"
         )
+        if self.syncs:
+            line += f"; {self.syncs} outer syncs, {self.sync_bytes / self.syncs:.0f} bytes sent per sync"
+        return line
 
     def _lost(self, failure: RoundFailed) -> LinkError:
         """The error the step fails with, naming a replica the round lost (poisoned first)."""

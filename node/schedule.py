@@ -88,6 +88,8 @@ class StageAveraging(Protocol):
 
     async def combine(self, step: int, worker: StageWorker, counts: StepCounts) -> StepCounts: ...
 
+    async def after_step(self, step: int, worker: StageWorker, cut: bool) -> None: ...
+
 
 class StageRunner:
     """Runs one :class:`StageWorker` against the links to its neighbouring replicas, one step at a time.
@@ -257,6 +259,8 @@ class StageRunner:
         cut = counts.cut
         receive = functools.partial(self._receive_sync, step)
         stats = await run_over_links(end_step(w, step), self._send_sync, receive)
+        if self.averaging is not None:  # outer steps sync after the optimizer step
+            await self.averaging.after_step(step, w, cut)
         seconds = time.perf_counter() - start
         self._observe(step, stats, seconds)
         self.metrics.live_microbatches.labels(str(w.index)).set(self._peak_live)

@@ -10,7 +10,7 @@ import time
 import tomllib
 
 from swarm.coordinator.settings import CoordinatorSettings
-from swarm.core.config import MODEL_PRESETS, SCHEDULES, RunConfig, TrainConfig, config_hash
+from swarm.core.config import MODEL_PRESETS, PRECISIONS, SCHEDULES, RunConfig, TrainConfig, config_hash
 from swarm.net.tls import add_arguments as tls_arguments
 
 NO_BENCH = "swarm bench runs from a source checkout (bench/ is not installed)"
@@ -31,6 +31,7 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seq-len", type=int)
     g.add_argument("--microbatches", type=int)
     g.add_argument("--schedule", choices=SCHEDULES, help="microbatch schedule of every stage (swarm runs)")
+    g.add_argument("--precision", choices=PRECISIONS, help="layers' compute (bf16: autocast, fp32 weights)")
     g.add_argument(
         "--replicas", type=int, help="most nodes per stage (swarm runs; extra nodes join the slowest stage)"
     )
@@ -67,6 +68,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         ("train", "seq_len"): args.seq_len,
         ("train", "microbatches"): args.microbatches,
         ("train", "schedule"): args.schedule,
+        ("train", "precision"): args.precision,
         ("train", "replicas"): args.replicas,
         ("train", "lr"): args.lr,
         ("train", "seed"): args.seed,

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
+from torch import nn
 
 from bench.netns import available
+from bench.precision import flops_per_token
 from swarm.cli import main
+from swarm.core.config import MODEL_PRESETS, RunConfig, TrainConfig
+from swarm.core.model import ResidualWrite, Stage
 from swarm.core.profiles import ComputeProfile
+from swarm.core.subspace import initial_artifacts
 
 
 def test_quick_bench_writes_results(tmp_path, capsys):
@@ -49,6 +55,12 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     assert one["averaging_bytes_per_replica_step"] == 0 < two["averaging_bytes_per_replica_step"]
     assert one["boundary_bytes_per_step"] == two["boundary_bytes_per_step"]  # routing adds no bytes
     assert "## Replicas of the slowest stage" in report
+    sync = {row["mode"]: row for row in results["replica_sync"]["rows"]}
+    step, outer = sync["per-step fp64"], sync["outer H=5 int8"]
+    assert step["bytes_per_parameter_per_step"] == pytest.approx(8.0, rel=1e-3)  # fp64: half out, half back
+    assert outer["bytes_per_parameter_per_sync"] == pytest.approx(1.0, rel=0.02)  # int8 + an exponent per 256
+    assert outer["bytes_vs_per_step"] > 35 and outer["loss_vs_per_step"] < 1.2
+    assert "## Keeping replicas identical" in report
     quality = results["quality"]
     dense, *others = quality["rows"]
     assert dense["variant"] == "dense bf16" and dense["targets"]["1.0"]["steps_vs_dense"] == 1.0
@@ -63,6 +75,11 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     assert all(row["compression_vs_dense_bf16"] > 4 for row in others)
     assert "## Quality at high compression" in report and "| off-subspace @end |" in report
     assert (tmp_path / "quality.png").stat().st_size > 0
+    rows = results["precision"]["rows"]  # fp32 and bf16 side by side, as one stage and as two
+    shape = [(r["n_stages"], r["precision"]) for r in rows]
+    assert shape == [(1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")]
+    assert all(r["tokens_per_s"] > 0 and r["model_tflops_per_s"] > 0 for r in rows)
+    assert "## Mixed precision" in report
     if available()[0]:  # the recipe on emulated hosts, subspace next to dense
         dense, subspace = results["multihost"]
         assert dense["steps"] == subspace["steps"] == 8
@@ -87,3 +104,21 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     faster = rerun["paper_scale"]["rows"][0]["compute_bound_tokens_per_s"]
     assert faster == pytest.approx(10 * paper["rows"][0]["compute_bound_tokens_per_s"], rel=0.01)
     assert "Rerun since" in (tmp_path / "results.md").read_text()
+
+
+@pytest.mark.parametrize("constrain", [True, False])
+def test_model_flops_are_twice_the_matrix_entries_per_token_forward_times_three(constrain):
+    """The MFU numerator against the modules: 2 FLOPs per weight entry and token for every matrix
+    product (a constrained write's ``W'`` and its ``U^T`` product), plus 4 T d per layer for the
+    attention scores; backward is twice the forward."""
+    model = dataclasses.replace(MODEL_PRESETS["tiny"], full_rank_layers=1, constrain_writes=constrain)
+    seq_len = 48
+    fixed, basis = initial_artifacts(RunConfig(model=model, train=TrainConfig(seq_len=seq_len), n_stages=1))
+    stage = Stage(model, 0, model.n_layers, fixed, basis, seed=0)
+    forward = 4 * seq_len * model.d_model * model.n_layers
+    for module in stage.modules():
+        if isinstance(module, nn.Linear | ResidualWrite):
+            forward += 2 * module.weight.numel()
+        if isinstance(module, ResidualWrite) and module.rank:
+            forward += 2 * module.rank * model.d_model
+    assert flops_per_token(model, seq_len) == 3 * forward

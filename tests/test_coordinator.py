@@ -40,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 TOKEN = "coordinator-test-join-secret"
 PEERS = ["/ip4/127.0.0.1/tcp/4001/p2p/QmTestPeer"]
 RPC_TIMEOUT = 5.0
+ACCEPTS = "127.0.0.1:1"  # an announce address the harness's coordinator takes on trust
 DIAL, ACCEPT, UNSPECIFIED = (
     coordinator_pb2.LINK_ROLE_DIAL,
     coordinator_pb2.LINK_ROLE_ACCEPT,
@@ -70,8 +71,9 @@ class Harness:
         return self.sample("swarm_rejected_messages_total", {"reason": reason}) or 0.0
 
     async def join(
-        self, name: str, max_stages: int = 1, address: str = "", token: str = TOKEN
+        self, name: str, max_stages: int = 1, address: str = ACCEPTS, token: str = TOKEN
     ) -> coordinator_pb2.JoinReply:
+        """Join as node ``name``, accepting streams at ``address`` ("": dial-only)."""
         request = coordinator_pb2.JoinRequest(
             protocol_version=PROTOCOL_VERSION,
             token=token,
@@ -197,7 +199,9 @@ async def coordinator(
     """A coordinator on ``state`` and a channel to it; ``credentials``: sessions nodes already hold
     (from a previous coordinator on the same state)."""
     credentials = credentials or NodeCredentials()
-    settings = CoordinatorSettings(dead_after_s=dead_after_s)
+    # The announce addresses these tests join with are made up: taken on trust, not dialled back
+    # (tests/test_reachability.py dials real ones).
+    settings = CoordinatorSettings(dead_after_s=dead_after_s, reach_timeout_s=0.0)
     service = CoordinatorService(
         config or tiny_config(), TOKEN, state, None, Metrics("coordinator"), PEERS, settings
     )
@@ -410,8 +414,8 @@ def test_join_assigns_stages_in_order_then_standby(tmp_path):
         async with coordinator(tmp_path / "state.sqlite", config) as h:
             a = await h.join("a", max_stages=2, address="127.0.0.1:7001")
             b = await h.join("b", max_stages=1, address="127.0.0.1:7002")
-            c = await h.join("c", max_stages=3)
-            d = await h.join("d", max_stages=1)
+            c = await h.join("c", max_stages=3, address="")
+            d = await h.join("d", max_stages=1, address="")
             replies = (a, b, c, d)
             assert [list(r.plan.stages) for r in replies] == [[0, 1], [2], [3], []]
             assert [r.plan.epoch for r in replies] == [1, 2, 3, 3]  # the standby changed no owner
@@ -511,8 +515,8 @@ def test_dead_node_stages_go_to_standby(tmp_path):
     async def scenario() -> None:
         async with coordinator(tmp_path / "state.sqlite", tiny_config(n_stages=2), dead_after_s=0.5) as h:
             a = await h.join("a", address="127.0.0.1:7001")
-            b = await h.join("b")
-            standby = await h.join("standby")  # no inbound port: it will dial a
+            b = await h.join("b", address="")
+            standby = await h.join("standby", address="")  # no inbound port: it will dial a
             assert list(standby.plan.stages) == [] and not standby.plan.links
             deadline = time.monotonic() + 5
             while True:  # a and the standby keep beating; b has gone silent
@@ -545,11 +549,15 @@ def test_dead_node_stages_go_to_standby(tmp_path):
             assert h.sample("swarm_nodes_alive") == 2
             alive = {n.node_name: n.alive for n in (await h.status()).nodes}
             assert alive == {"a": True, "b": False, "standby": True}
-            # Leave releases at once; the next node to join takes the freed stage.
+            # Leave releases at once; the next node to join that can link to stage 1's (dial-only)
+            # host takes the freed stage: one with an open port, not another dial-only one.
             await h.stub.Leave(coordinator_pb2.LeaveRequest(node_id=a.node_id), timeout=RPC_TIMEOUT)
             assert (await h.heartbeat(a.node_id, beat.plan_epoch)).known is False
-            late = await h.join("late")
+            dial_only = await h.join("dial-only", address="")
+            assert list(dial_only.plan.stages) == [] and len((await h.status()).plan_problems) == 1
+            late = await h.join("late", address="127.0.0.1:7003")
             assert list(late.plan.stages) == [0] and late.plan.epoch == (await h.status()).plan_epoch
+            assert not (await h.status()).plan_problems
 
     run(scenario())
 
@@ -1065,7 +1073,8 @@ def test_an_accused_neighbour_is_evicted_and_a_repeat_accuser_is_the_suspect(tmp
 
     async def scenario() -> None:
         async with coordinator(tmp_path / "state.sqlite", tiny_config(n_stages=3)) as h:
-            a, b, c = await h.join("a"), await h.join("b"), await h.join("c")
+            # a and c only dial (the coordinator cannot probe them: not answering is no death)
+            a, b, c = await h.join("a", address=""), await h.join("b"), await h.join("c", address="")
             d = await h.join("d")  # a standby
 
             def stages() -> dict[str, list[int]]:

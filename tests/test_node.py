@@ -28,6 +28,7 @@ from tests.procs import (
     status,
     tiny_run,
     wait_for_nodes,
+    wait_status,
 )
 
 # -- a dial-only node --------------------------------------------------------------------------
@@ -110,15 +111,22 @@ def test_node_metrics_endpoint(dial_only_run):
     assert m["swarm_loss{}"] > 0
 
 
-def test_two_dial_only_nodes_fail_with_a_clear_error(tmp_path):
+def test_two_dial_only_nodes_are_never_planned_next_to_each_other(tmp_path):
+    """The second dial-only node waits as a standby (``Status`` says what is missing) instead of
+    being planned across a boundary neither end can accept; a node with an open port completes it."""
     with processes() as procs:
         address = coordinator(procs, tmp_path, 3)
         first = node(procs, tmp_path, "a", address, "--listen", "")
         wait_for_nodes(address, 1)
         second = node(procs, tmp_path, "b", address, "--listen", "")
-        for proc in (first, second):
-            assert proc.wait(60) != 0, proc.output()
-            assert "give one a reachable --listen/--announce address" in proc.stderr(), proc.output()
+        reply = wait_status(address, lambda r: r.plan_problems, "a plan problem", 60)
+        assert "a node with an open port is needed" in reply.plan_problems[0]
+        assert {n.node_name: list(n.stages) for n in reply.nodes} == {"a": [0], "b": []}
+        third = node(procs, tmp_path, "c", address)
+        for proc in (first, second, third):
+            assert proc.wait(120) == 0, proc.output()
+        final = wait_status(address, lambda r: r.run_complete, "the run complete", 10)
+        assert not final.plan_problems
 
 
 # -- stopping by signal ------------------------------------------------------------------------

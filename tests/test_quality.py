@@ -6,12 +6,22 @@ import dataclasses
 
 import pytest
 
-from bench.quality import gap_trend, paper_step_seconds, parameter_count, steps_to, variants
+from bench.quality import (
+    QualityPlan,
+    Variant,
+    curve,
+    gap_trend,
+    paper_step_seconds,
+    parameter_count,
+    steps_to,
+    variants,
+)
 from bench.throughput import Link
-from swarm.core.config import MODEL_PRESETS
+from swarm.core.config import MODEL_PRESETS, CodecConfig, RunConfig, TrainConfig
 from swarm.core.model import Stage
 from swarm.core.profiles import load_profile
 from swarm.core.subspace import initial_artifacts
+from swarm.io.data import load_dataset
 from tests.helpers import tiny_config
 
 
@@ -56,3 +66,15 @@ def test_paper_step_is_bound_by_the_slower_of_compute_and_link():
     assert compressed == pytest.approx(23 * transfer + 14 * 0.025)  # 16 microbatches + 7 to fill, 7 RTTs
     assert dense == pytest.approx(23 * 100 * transfer * 16384 / 16400 + 14 * 0.025)
     assert paper_step_seconds(profile, 164, Link("10 Gbit/s", 10_000)) == pytest.approx(23 * compute)
+
+
+def test_a_diverging_variant_is_recorded_not_fatal(tmp_path):
+    """Non-finite values at a boundary end that variant's curve; the section goes on and says so."""
+    model = dataclasses.replace(MODEL_PRESETS["tiny"], constrain_writes=False)
+    variant = Variant("exploding", model, CodecConfig("identity", "fp16", "fp16"), lever="lr 1e4")
+    train = TrainConfig(steps=6, batch_size=4, seq_len=32, microbatches=2, lr=1e4, warmup_steps=1)
+    plan = QualityPlan(model, train, 2, ["exploding"], [], eval_batches=1)
+    dataset = load_dataset(RunConfig(model=model, train=train, n_stages=1))
+    row = curve(variant, plan, dataset, tmp_path, lambda _: None)
+    assert "non-finite" in row["diverged"] and "val_curve" not in row
+    assert curve(variant, plan, dataset, tmp_path, lambda _: None) == row  # cached like any curve

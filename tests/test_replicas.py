@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import math
 import re
 from pathlib import Path
 
@@ -14,7 +15,7 @@ import torch
 from swarm.node.replica_averaging import ReplicaGroup, Sibling
 from swarm.node.schedule import StepCounts
 
-from swarm.core.config import RotationConfig, RunConfig, TrainConfig
+from swarm.core.config import ReplicaSyncConfig, RotationConfig, RunConfig, TrainConfig
 from swarm.core.subspace import initial_artifacts
 from swarm.io.data import BatchSampler, batch_ids, load_dataset
 from swarm.ops.metrics import Metrics
@@ -86,13 +87,9 @@ def replica_lines(proc: Proc) -> list[str]:
     return re.findall(r"one of \d+ replicas, \d+ of \d+ microbatches per step", proc.stdout())
 
 
-@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])
-def test_a_replicated_stage_trains_the_single_process_model(tmp_path, schedule):
-    """Three nodes on two stages: the third becomes a replica of a stage, the stage's microbatches
-    are dealt between its two replicas, which average their gradients every step; the losses are
-    the single-process pipeline's (fp32, up to summation order) and every step counts each token
-    of its batch once."""
-    config = replica_run(tmp_path, schedule)
+def run_three_nodes(tmp_path, config: RunConfig):
+    """A coordinator and three nodes joining one after another, run to completion: the final status
+    and the node processes (each exited 0)."""
     with processes() as procs:
         address = coordinator(procs, tmp_path, config, dht=True)
         nodes = []
@@ -102,6 +99,17 @@ def test_a_replicated_stage_trains_the_single_process_model(tmp_path, schedule):
         final = wait_status(address, lambda r: r.run_complete, "completed run", 240)
         for proc in nodes:
             assert proc.wait(60) == 0, proc.output()
+    return final, nodes
+
+
+@pytest.mark.parametrize("schedule", ["gpipe", pytest.param("1f1b", marks=pytest.mark.slow)])
+def test_a_replicated_stage_trains_the_single_process_model(tmp_path, schedule):
+    """Three nodes on two stages: the third becomes a replica of a stage, the stage's microbatches
+    are dealt between its two replicas, which average their gradients every step; the losses are
+    the single-process pipeline's (fp32, up to summation order) and every step counts each token
+    of its batch once."""
+    config = replica_run(tmp_path, schedule)
+    final, nodes = run_three_nodes(tmp_path, config)
     hosts = {n.node_name: list(n.last_stages) for n in final.nodes}
     assert sorted(hosts.values()) in ([[0], [0], [1]], [[0], [1], [1]]), hosts
     replicas = [p for p in nodes if replica_lines(p)]
@@ -118,6 +126,36 @@ def test_a_replicated_stage_trains_the_single_process_model(tmp_path, schedule):
     single = single_process_losses(config, tmp_path)
     rel = [abs(a - b) / b for a, b in zip(losses, single, strict=True)]
     assert max(rel) < 1e-4, rel
+
+
+OUTER_SYNC = re.compile(r"stage (\d+) averaging: .*; (\d+) outer syncs, (\d+) bytes sent per sync")
+
+
+def test_replicas_taking_outer_steps_train_and_sync_in_int8(tmp_path):
+    """The live swarm of the test above with ``replica_sync.mode = "outer"`` (no rotations: refused
+    with outer steps): the two replicas of a stage step on their own microbatches and sync every 4
+    steps and at each cut; the run completes every step with finite losses, each step counting
+    each token once, and a sync sends about 1 byte per trainable parameter per replica (int8: its
+    half of the pseudo-gradient out, the averaged other half back)."""
+    config = replica_run(tmp_path, "gpipe")
+    config.rotation = RotationConfig()
+    config.replica_sync = ReplicaSyncConfig(mode="outer", every=4, format="int8")
+    config = RunConfig.from_dict(config.to_dict())
+    final, nodes = run_three_nodes(tmp_path, config)
+    syncs = [m for p in nodes for m in OUTER_SYNC.finditer(p.stdout())]
+    assert len(syncs) == 2, [p.output() for p in nodes]  # one summary per replica
+    stage = int(syncs[0][1])
+    fixed, basis = initial_artifacts(config)
+    parameters = sum(p.numel() for p in StageWorker(config, stage, fixed, basis).parameters())
+    for m in syncs:
+        assert int(m[2]) >= 3 and 1.0 <= int(m[3]) / parameters < 1.1, (m[0], parameters)
+    t = config.train
+    assert [s.step for s in final.steps] == list(range(STEPS))
+    assert all(s.tokens == t.batch_size * t.seq_len for s in final.steps)
+    losses = [s.loss for s in final.steps]
+    single = single_process_losses(config, tmp_path)
+    print(f"MEASURED outer-step losses / single-process at the end: {losses[-1] / single[-1]:.3f}")
+    assert all(math.isfinite(x) for x in losses) and abs(losses[-1] / single[-1] - 1) < 0.1
 
 
 KILL_STEP = 15  # after the cut at step 9: the run rolls back to step 10 without the dead replica

@@ -10,6 +10,7 @@ import torch
 from swarm.node.schedule import StageRunner
 from swarm.node.stage_host import connect_local
 
+from swarm.core.config import RunConfig
 from swarm.ops.metrics import Metrics
 from swarm.runtime.pipeline import LocalPipeline
 from swarm.runtime.steps import (
@@ -134,15 +135,28 @@ def test_in_process_programs_waiting_for_nothing_fail():
 
 
 @pytest.mark.parametrize(
-    ("schedule", "codec"),
-    [("gpipe", {}), ("1f1b", {}), ("gpipe", {"kind": "mapl", "rank": 0, "forward_format": "rvq"})],
+    ("schedule", "settings"),
+    [
+        ("gpipe", {}),
+        ("1f1b", {}),
+        ("gpipe", {"kind": "mapl", "rank": 0, "forward_format": "rvq"}),
+        ("1f1b", {"precision": "bf16"}),
+    ],
 )
-def test_stage_runners_and_the_single_process_pipeline_are_one_engine(schedule, codec):
+def test_stage_runners_and_the_single_process_pipeline_are_one_engine(schedule, settings):
     """Runners over in-memory links train bit for bit what the single-process pipeline trains on the
-    same schedule: the same order per stage, the same MAPL sums and RVQ deltas."""
-    config = tiny_config(batch_size=8, microbatches=4, schedule=schedule, **codec)
+    same schedule: the same order per stage, the same MAPL sums and RVQ deltas, the same bf16 layers."""
+    assert_runners_match_the_pipeline(
+        tiny_config(batch_size=8, microbatches=4, schedule=schedule, **settings)
+    )
+
+
+def assert_runners_match_the_pipeline(config: RunConfig, steps: int = 3) -> None:
+    """Stage runners over in-memory links and ``LocalPipeline`` on the config's schedule: the same
+    losses and, after ``steps`` steps, bit-identical parameters."""
+    schedule = config.train.schedule
     reference = LocalPipeline(config, schedule=schedule)
-    expected = [reference.train_step(step, random_batch(config, seed=step)).loss for step in range(3)]
+    expected = [reference.train_step(step, random_batch(config, seed=step)).loss for step in range(steps)]
     workers = LocalPipeline(config).workers
     batches = lambda step: random_batch(config, seed=step)  # noqa: E731
     runners = [StageRunner(w, Metrics("node"), batches if w.is_first else None) for w in workers]
@@ -151,7 +165,7 @@ def test_stage_runners_and_the_single_process_pipeline_are_one_engine(schedule, 
 
     async def main() -> list[float]:
         losses = []
-        for step in range(3):
+        for step in range(steps):
             *_, last = await asyncio.gather(*(r.run_step(step) for r in runners))
             losses.append(last.stats.loss_sum / last.stats.loss_count)
         return losses

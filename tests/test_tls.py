@@ -16,6 +16,7 @@ import grpc
 import pytest
 from cryptography import x509
 from swarm.coordinator.service import CoordinatorServer, CoordinatorService
+from swarm.coordinator.settings import CoordinatorSettings
 from swarm.node.links import LinkError, PlannedPeer, dial
 from swarm.node.stage_service import StageService
 
@@ -194,6 +195,7 @@ def test_certificate_pins_survive_a_coordinator_restart(pki: Path, tmp_path: Pat
             None,
             Metrics("coordinator"),
             [],
+            CoordinatorSettings(reach_timeout_s=0.0),  # the made-up address below is taken on trust
             security=security(swarm, "coordinator", mutual=True),
         )
         replies = {}
@@ -207,7 +209,9 @@ def test_certificate_pins_survive_a_coordinator_restart(pki: Path, tmp_path: Pat
                     request = coordinator_pb2.HeartbeatRequest(node_id=node.node_id)
                     replies[name] = await stub.Heartbeat(request, timeout=5, metadata=metadata)
                 else:
-                    join = coordinator_pb2.JoinRequest(protocol_version=PROTOCOL_VERSION, token=token)
+                    join = coordinator_pb2.JoinRequest(
+                        protocol_version=PROTOCOL_VERSION, token=token, announce_address="127.0.0.1:1"
+                    )
                     replies[name] = joined[name] = await stub.Join(join, timeout=5)
                 await channel.close()
         return replies

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 
 import pytest
 
@@ -52,12 +53,15 @@ def test_cli_train_writes_summary(tmp_path, capsys, monkeypatch):
             "4",
             "--seq-len",
             "32",
+            "--precision",
+            "bf16",
             "--out",
             str(tmp_path / "run"),
         ]
     )
     assert code == 0
-    assert (tmp_path / "run" / "summary.json").exists()
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["config"]["train"]["precision"] == "bf16"
     assert "validation loss" in capsys.readouterr().out
 
 

@@ -106,6 +106,8 @@ class CodecConfig:
     ``int4_block``, ``lowrank``). ``forward_format`` / ``backward_format`` are the tensor
     formats of :mod:`swarm.codecs` for the matrix that crosses (``fp32``, ``bf16``,
     ``fp16``, ``int8_row``, ``rvq`` ...). ``zstd_level > 0`` adds an entropy stage.
+    ``mapl_pca_steps = N > 0`` re-initialises each MAPL projection, after the first ``N``
+    steps, to the top principal directions of the inputs its sender saw (0: random start only).
     """
 
     kind: str = "subspace"
@@ -114,10 +116,17 @@ class CodecConfig:
     zstd_level: int = 0
     mapl_rank: int = 32
     anchor_rank: int = 16
+    mapl_pca_steps: int = 0
     rvq_codebooks: int = 4
     rvq_codebook_size: int = 256
     topk: int = 40
     lowrank: int = 20
+
+    def __post_init__(self) -> None:
+        if self.mapl_pca_steps < 0:
+            raise ValueError(f"codec.mapl_pca_steps={self.mapl_pca_steps} must be >= 0")
+        if self.mapl_pca_steps and self.kind != "mapl":
+            raise ValueError(f"codec.mapl_pca_steps needs codec kind 'mapl', not {self.kind!r}")
 
 
 @dataclass
@@ -189,12 +198,18 @@ class TrainConfig:
     schedule: str = "gpipe"  # microbatch order per stage: "gpipe" or "1f1b" (PipeDream-flush)
     # Most nodes hosting one stage. Above 1, a node that finds every stage hosted joins the
     # slowest stage as a replica: the stage's microbatches are dealt among its replicas, which
-    # average gradients (hivemind all-reduce) before every optimizer step.
+    # average gradients (hivemind all-reduce) before every optimizer step, or take outer steps
+    # (see ReplicaSyncConfig).
     replicas: int = 1
+    # What the stages' layers compute in: "fp32", or "bf16" (autocast around fp32 master weights and
+    # optimizer state; the basis, boundary maps and wire formats keep their own precision).
+    precision: str = "fp32"
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:
             raise ValueError(f"train.schedule={self.schedule!r} must be one of {SCHEDULES}")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"train.precision={self.precision!r} must be one of {PRECISIONS}")
         if self.stiefel_optimizer not in STIEFEL_OPTIMIZERS:
             raise ValueError(
                 f"train.stiefel_optimizer={self.stiefel_optimizer!r} must be one of {STIEFEL_OPTIMIZERS}"
@@ -202,6 +217,7 @@ class TrainConfig:
 
 
 SCHEDULES = ("gpipe", "1f1b")
+PRECISIONS = ("fp32", "bf16")
 STIEFEL_OPTIMIZERS = ("sgd", "adam")
 
 
@@ -219,6 +235,38 @@ class EmulationConfig:
     def __post_init__(self) -> None:
         if not self.slowdown >= 1.0:
             raise ValueError(f"emulation.slowdown={self.slowdown} must be >= 1")
+
+
+@dataclass
+class ReplicaSyncConfig:
+    """How the replicas of a stage (``train.replicas > 1``) keep their weights identical.
+
+    ``mode = "step"`` averages their gradients (float64) before every optimizer step. ``"outer"``
+    is DiLoCo: each replica takes ``every`` optimizer steps on its own microbatches, then the
+    replicas average the pseudo-gradient (their trainable weights at the last sync minus now),
+    sent as ``format`` (``fp64``, ``fp32``, ``bf16``, or ``int8`` with one power-of-two scale per
+    256 values; the rounding error is fed back into the next sync), and every replica takes the
+    same Nesterov step of ``outer_lr`` and ``outer_momentum`` from the weights at the last sync.
+    Checkpoint cuts and the run's last step always sync.
+    """
+
+    mode: str = "step"
+    every: int = 10
+    format: str = "int8"
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+
+    def __post_init__(self) -> None:
+        if self.mode not in SYNC_MODES:
+            raise ValueError(f"replica_sync.mode={self.mode!r} must be one of {SYNC_MODES}")
+        if self.format not in SYNC_FORMATS:
+            raise ValueError(f"replica_sync.format={self.format!r} must be one of {SYNC_FORMATS}")
+        if self.every < 1 or not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
+            raise ValueError("replica_sync needs every >= 1, outer_lr > 0 and 0 <= outer_momentum < 1")
+
+
+SYNC_MODES = ("step", "outer")
+SYNC_FORMATS = ("fp64", "fp32", "bf16", "int8")
 
 
 @dataclass
@@ -242,6 +290,7 @@ class RunConfig:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
+    replica_sync: ReplicaSyncConfig = field(default_factory=ReplicaSyncConfig)
     n_stages: int = 4
 
     def __post_init__(self) -> None:
@@ -278,6 +327,9 @@ class RunConfig:
             raise ValueError(
                 f"train.replicas={t.replicas} must lie in [1, train.microbatches={t.microbatches}]"
             )
+        if self.replica_sync.mode == "outer" and self.rotation.interval and self.model.constrained:
+            # A rotation turns W' between syncs; the weights at the last sync would not follow.
+            raise ValueError("replica_sync.mode 'outer' cannot be combined with rotation.interval > 0")
         if t.replicas > 1 and (c.kind == "mapl" or "rvq" in (c.forward_format, c.backward_format)):
             # MAPL projections and RVQ codebooks are boundary state shared by exactly two nodes.
             raise ValueError(
@@ -320,7 +372,7 @@ class RunConfig:
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
         sections = {"model": ModelConfig, "codec": CodecConfig, "rotation": RotationConfig}
         sections |= {"train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig}
-        sections |= {"emulation": EmulationConfig}
+        sections |= {"emulation": EmulationConfig, "replica_sync": ReplicaSyncConfig}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:

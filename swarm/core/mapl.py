@@ -9,6 +9,12 @@ in the space the boundary keeps. Autograd through both maps is exact for the com
 model, and each side's copy gets its own share of the gradient of ``A_p`` and of the
 anchor; :func:`boundary_gradients` / :func:`set_boundary_gradients` let the runtime sum
 them so both copies take the identical step (see :class:`swarm.core.optim.StiefelSGD`).
+
+*PCA initialisation* (``codec.mapl_pca_steps = N``): during the first ``N`` steps the sender
+accumulates the second moment of its centred inputs ``X - offset`` (float64, d x d); after step
+``N`` it replaces ``A_p`` by the top-``r`` eigenvectors and ships them (:func:`pack_projection`)
+to the receiver, which validates (:func:`unpack_projection`) and installs them, so both copies
+switch at the same step, bit for bit.
 """
 
 from __future__ import annotations
@@ -21,6 +27,8 @@ from torch import nn
 from swarm.codecs.base import PayloadError, check_finite
 from swarm.core.model import name_seed
 from swarm.core.subspace import random_basis
+
+TRAINING_ONLY = frozenset({"input_moment"})  # state snapshots keep, trained models leave out
 
 
 class MaplBoundary(nn.Module):
@@ -37,6 +45,34 @@ class MaplBoundary(nn.Module):
         gen = torch.Generator().manual_seed(name_seed(seed, f"mapl.{index}.anchor"))
         self.anchor_tokens = nn.Parameter(torch.randn(vocab, anchor_rank, generator=gen) * 0.02)
         self.anchor_map = nn.Parameter(torch.zeros(anchor_rank, d))
+
+    def track_input_moment(self) -> None:
+        """Sender side, for the PCA initialisation: start the float64 second moment of the centred
+        inputs on the projection's device (a buffer, so a stage snapshot keeps it)."""
+        d = self.projection.shape[0]
+        self.register_buffer("input_moment", self.projection.new_zeros(d, d, dtype=torch.float64))
+
+    @torch.no_grad()
+    def observe(self, x: torch.Tensor, tokens: torch.Tensor) -> None:
+        """Add one microbatch's centred inputs ``X - offset`` (B x T x d) to the input moment."""
+        centred = (x - self.offset(tokens)).reshape(-1, x.shape[-1]).double()
+        self.input_moment.addmm_(centred.T, centred)
+
+    def principal_directions(self) -> torch.Tensor:
+        """The top-``r`` eigenvectors of the input moment (float64, d x r, by falling eigenvalue),
+        each signed so that its entry of largest magnitude is positive."""
+        _, vectors = torch.linalg.eigh(self.input_moment)
+        top = vectors[:, -self.width :].flip(1)
+        largest = top.abs().argmax(dim=0)
+        return top * torch.sign(top[largest, torch.arange(self.width, device=top.device)])
+
+    @torch.no_grad()
+    def replace_projection(self, a: torch.Tensor, optimizer: torch.optim.Optimizer | None) -> None:
+        """Install ``a`` as the projection and drop its optimizer state (momentum, moments): they
+        belong to the old point of the manifold."""
+        self.projection.copy_(a)
+        if optimizer is not None:
+            optimizer.state.pop(self.projection, None)
 
     @property
     def width(self) -> int:
@@ -71,6 +107,40 @@ def set_boundary_gradients(boundary: MaplBoundary, grads: dict[str, torch.Tensor
 
 def sum_gradients(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {name: a[name] + b[name].to(a[name].device) for name in a}
+
+
+PROJECTION_TOLERANCE = 1e-4  # largest |A^T A - I| entry a shipped projection may have
+
+
+def pack_projection(a: torch.Tensor) -> bytes:
+    """A projection as little-endian bytes: ``uint32`` rows and columns, then float64 entries
+    (exact for every working dtype: both copies install the same values)."""
+    rows, cols = a.shape
+    entries = a.detach().cpu().double().contiguous().numpy().astype("<f8")
+    return struct.pack("<II", rows, cols) + entries.tobytes()
+
+
+def unpack_projection(data: bytes, boundary: MaplBoundary) -> torch.Tensor:
+    """Inverse of :func:`pack_projection` (float64, on the host); checks that the matrix has the
+    boundary's shape, is finite and has orthonormal columns (to :data:`PROJECTION_TOLERANCE`)."""
+    expected = tuple(boundary.projection.shape)
+    if len(data) < 8:
+        raise PayloadError(f"MAPL projection of {len(data)} bytes has no shape header")
+    shape = struct.unpack("<II", data[:8])
+    if shape != expected:
+        raise PayloadError(
+            f"MAPL projection of shape {shape[0]}x{shape[1]} for a boundary of {expected[0]}x{expected[1]}"
+        )
+    if len(data) != 8 + 8 * shape[0] * shape[1]:
+        raise PayloadError(f"MAPL projection of shape {shape[0]}x{shape[1]} in {len(data)} bytes")
+    a = torch.frombuffer(bytearray(data[8:]), dtype=torch.float64).view(shape)
+    check_finite(a, "MAPL projection")
+    error = (a.T @ a - torch.eye(shape[1], dtype=torch.float64)).abs().max().item()
+    if error > PROJECTION_TOLERANCE:
+        raise PayloadError(
+            f"MAPL projection is not orthonormal: max |A^T A - I| = {error:.2e} > {PROJECTION_TOLERANCE:g}"
+        )
+    return a
 
 
 SPARSE_ROWS = "anchor_tokens"  # its gradient has rows only for the tokens a step saw

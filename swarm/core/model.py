@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from swarm.core.config import ModelConfig
+from swarm.core.precision import basis_product
 
 
 class RMSNorm(nn.Module):
@@ -75,7 +76,7 @@ class ResidualWrite(nn.Module):
 
     def forward(self, h: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
         y = F.linear(h, self.weight)
-        return y @ basis.T if self.rank and basis is not None else y
+        return basis_product(y, basis) if self.rank and basis is not None else y
 
 
 class LayerCache:
@@ -120,6 +121,7 @@ class Attention(nn.Module):
     ):
         B, T, _ = x.shape
         q, k, v = self.qkv(x).view(B, T, 3, self.n_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        cos, sin = cos.to(q.dtype), sin.to(q.dtype)  # q's dtype: bf16 under autocast
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         past = 0
         if cache is not None:
@@ -183,7 +185,7 @@ class TokenEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor, fixed: torch.Tensor, basis: torch.Tensor | None) -> torch.Tensor:
         low = F.embedding(tokens, self.low)
-        return fixed[tokens] + (low if basis is None else low @ basis.T)
+        return fixed[tokens] + (low if basis is None else basis_product(low, basis))
 
 
 class Stage(nn.Module):

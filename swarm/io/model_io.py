@@ -34,6 +34,7 @@ from tokenizers import Tokenizer as HfTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
 from swarm.core.config import RunConfig, config_hash
+from swarm.core.mapl import TRAINING_ONLY
 from swarm.core.model import Stage, tensor_digest
 from swarm.io.data import BpeTokenizer, ByteTokenizer, Tokenizer, build_tokenizer, load_texts
 from swarm.runtime.worker import StageWorker
@@ -83,7 +84,8 @@ def consolidate(stage_states: Sequence[dict], mapl_states: Sequence[dict], fixed
                 raise ModelFormatError(f"stage {index} disagrees with an earlier stage on {name}")
             tensors[name] = value
         for name, value in mapl.get("out", {}).items():
-            tensors[f"mapl.{index}.{name}"] = value
+            if name not in TRAINING_ONLY:
+                tensors[f"mapl.{index}.{name}"] = value
     return {k: v.detach().to("cpu", torch.float32).contiguous().clone() for k, v in tensors.items()}
 
 

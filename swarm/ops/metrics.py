@@ -186,6 +186,13 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.unreachable_joins = Counter(
+            "swarm_unreachable_joins",
+            "Joins placed as dial-only: no address announced (no_address), or the coordinator could not "
+            "reach the one announced (no_answer)",
+            ["reason"],
+            registry=r,
+        )
 
     def checkpointed(self, step: int, at: float | None = None) -> None:
         """A snapshot (node) or complete cut (coordinator) of ``step`` exists since ``at`` (unix time)."""

@@ -50,6 +50,12 @@ def phase_name(phase: int) -> str:
     return cpb.NodePhase.Name(phase).removeprefix("NODE_PHASE_").lower()
 
 
+def inbound(node: cpb.NodeStatus) -> str:
+    """Whether neighbours can dial ``node``: "open" (the coordinator reached its address at Join),
+    "unreachable" (it announced one the coordinator could not reach) or "dial-only" (none)."""
+    return "open" if node.reachable else "unreachable" if node.address else "dial-only"
+
+
 def status_document(reply: cpb.StatusReply) -> dict:
     """The run and its nodes as plain JSON (no secrets; node ids shortened)."""
     r = reply.rates
@@ -63,6 +69,7 @@ def status_document(reply: cpb.StatusReply) -> dict:
         "latest_cut": reply.latest_cut - 1 if reply.latest_cut else None,
         "epochs_restarted": reply.epochs_restarted,
         "subspace_version": reply.subspace_version,
+        "plan_problems": list(reply.plan_problems),
         "rates": {
             "steps": r.steps,
             "loss": r.loss if r.HasField("loss") else None,
@@ -85,6 +92,7 @@ def status_document(reply: cpb.StatusReply) -> dict:
                 "subspace_version": n.subspace_version,
                 "plan_epoch": n.plan_epoch,
                 "device": n.device,
+                "inbound": inbound(n),
             }
             for n in reply.nodes
         ],
@@ -105,9 +113,10 @@ def render(reply: cpb.StatusReply, coordinator: str) -> str:
         f"compression {r['compression_ratio']:.1f}x  (last {r['steps']} steps)",
         f"  subspace v{doc['subspace_version']}  latest cut {cut}  "
         f"epochs restarted {doc['epochs_restarted']}",
+        *(f"  plan problem: {problem}" for problem in doc["plan_problems"]),
         "",
     ]
-    header = ("node", "name", "state", "phase", "stages", "step", "tok/s", "heartbeat", "subspace")
+    header = ("node", "name", "state", "phase", "stages", "inbound", "step", "tok/s", "heartbeat", "subspace")
     # stages: what a node hosts, or for a node that is gone what it hosted last
     rows = [
         (
@@ -116,6 +125,7 @@ def render(reply: cpb.StatusReply, coordinator: str) -> str:
             n["state"],
             n["phase"],
             ",".join(map(str, n["last_stages"])) or ("standby" if n["alive"] else "-"),
+            n["inbound"],
             str(n["step"]),
             f"{n['tokens_per_second']:.0f}",
             f"{n['last_heartbeat_age_s']:.1f}s ago",

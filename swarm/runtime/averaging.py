@@ -19,6 +19,11 @@ applying it.
 A reducer screens every part before summing it: a non-finite part, or one whose RMS exceeds
 100x the reducer's own part of the same slice, drops its sender like a silent one and is counted
 (:attr:`ReplicaAverager.offences`) so repeated offenders can be evicted.
+
+A round may send its tensors in a :class:`~swarm.runtime.sync_formats.SyncFormat` (outer steps'
+pseudo-gradients) instead of float64: every member rounds its tensors to the format, sends its
+parts encoded, and each reducer encodes the float64 average of its slice once and sends those
+same bytes to every member, itself included: every member ends with the same values, bit for bit.
 """
 
 from __future__ import annotations
@@ -35,12 +40,25 @@ from typing import AsyncIterator  # noqa: UP035 - hivemind's ServicerBase recogn
 import torch
 from hivemind.averaging.allreduce import AllReduceRunner
 from hivemind.averaging.load_balancing import load_balance_peers
-from hivemind.averaging.partition import DEFAULT_PART_SIZE_BYTES, AllreduceException, TensorPartReducer
+from hivemind.averaging.partition import (
+    DEFAULT_PART_SIZE_BYTES,
+    AllreduceException,
+    BannedException,
+    TensorPartContainer,
+    TensorPartReducer,
+)
+from hivemind.compression import (
+    CompressionBase,
+    CompressionInfo,
+    deserialize_torch_tensor,
+    serialize_torch_tensor,
+)
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.asyncio import achain, as_aiter
 
 from swarm.runtime.norm_guard import root_mean_square
+from swarm.runtime.sync_formats import SyncFormat
 
 POISON_FACTOR = 100.0  # a part whose RMS exceeds this many times our own part of the slice is refused
 JOIN_WAIT_S = 10.0  # a stream for a round this replica has not started yet waits this long for it
@@ -124,13 +142,64 @@ class RoundStats:
     bytes_sent: int  # tensor-part bytes this replica sent: its parts to reducers, averages to senders
 
 
+class _Encoded(CompressionBase):
+    """hivemind's compression hook for a :class:`SyncFormat`: a part travels as its encoded bytes
+    (a uint8 tensor, which hivemind's own deserializer restores; the receiver decodes it). Parts
+    hold a multiple of the format's alignment, so their encoding loses nothing of a rounded vector."""
+
+    compression_type = runtime_pb2.CompressionType.NONE
+
+    def __init__(self, fmt: SyncFormat, part_size_bytes: int):
+        self.fmt = fmt
+        per_value = max(1, fmt.wire_bytes(1 << 20) >> 20)
+        self.part_values = max(1, part_size_bytes // per_value // fmt.alignment) * fmt.alignment
+        self.part_size_bytes = part_size_bytes
+
+    def compress(
+        self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False
+    ) -> runtime_pb2.Tensor:
+        return serialize_torch_tensor(self.fmt.encode(tensor))
+
+    def extract(self, serialized_tensor: runtime_pb2.Tensor) -> torch.Tensor:
+        return deserialize_torch_tensor(serialized_tensor)
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        # hivemind cuts parts of int(part_size_bytes / (element size x ratio)) values: part_values
+        itemsize = torch.empty((), dtype=info.descriptor.dtype).element_size()
+        return self.part_size_bytes / (itemsize * (self.part_values + 0.5))
+
+
+class _DecodingContainer(TensorPartContainer):
+    """hivemind's container for a round in a :class:`SyncFormat`: reducers return averages (not
+    deltas) as encoded bytes, decoded here; anything else is refused."""
+
+    def __init__(self, fmt: SyncFormat, *args, **kwargs):
+        self.fmt = fmt
+        super().__init__(*args, return_deltas=False, **kwargs)
+
+    def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
+        local = self._input_parts_by_peer[peer_index][part_index][0]
+        super().register_processed_part(
+            peer_index, part_index, self.fmt.decode(part, local.numel()).view_as(local)
+        )
+
+    def register_failed_reducer(self, peer_index: int):
+        # our own values in place of the lost average (the round fails, as hivemind counts them)
+        for part_index in range(
+            self._outputs_registered_by_peer[peer_index], self.num_parts_by_peer[peer_index]
+        ):
+            local = self._input_parts_by_peer[peer_index][part_index][0]
+            self.register_processed_part(peer_index, part_index, self.fmt.encode(local))
+            self.failed_size += local.numel()
+
+
 class _ScreeningReducer(TensorPartReducer):
-    """hivemind's reducer, summing in float64 (its own buffer has the default dtype, float32) and
-    handing every part, as hivemind deserialized it, to ``screen(sender index, part index, part,
-    weight)`` before it is summed (``screen`` raises to refuse it)."""
+    """hivemind's reducer, summing in float64 (its own buffer has the default dtype, float32) what
+    ``screen(sender index, part index, part, weight)`` makes of every part as hivemind deserialized
+    it (the part, decoded where the round has a format; ``screen`` raises to refuse it)."""
 
     def __init__(
-        self, part_shapes, num_senders: int, screen: Callable[[int, int, torch.Tensor, float], None]
+        self, part_shapes, num_senders: int, screen: Callable[[int, int, torch.Tensor, float], torch.Tensor]
     ):
         self.screen = screen
         super().__init__(part_shapes, num_senders)
@@ -138,7 +207,7 @@ class _ScreeningReducer(TensorPartReducer):
     async def accumulate_part(
         self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
     ) -> torch.Tensor:
-        self.screen(sender_index, part_index, tensor_part, weight)
+        tensor_part = self.screen(sender_index, part_index, tensor_part, weight)
         return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
 
     def reset_accumulators(self):
@@ -148,11 +217,26 @@ class _ScreeningReducer(TensorPartReducer):
 
 
 class _Runner(AllReduceRunner):
-    """hivemind's runner, reducing in float64, remembering which members failed, counting bytes sent."""
+    """hivemind's runner, reducing in float64, remembering which members failed, counting bytes sent;
+    with a ``fmt``, sending parts and averages in it (see the module docstring)."""
 
-    def __init__(self, round_: Round, **kwargs):
+    def __init__(self, round_: Round, fmt: SyncFormat | None = None, **kwargs):
+        if fmt is not None:
+            kwargs["compression"] = _Encoded(fmt, kwargs.get("part_size_bytes", DEFAULT_PART_SIZE_BYTES))
         super().__init__(**kwargs)
-        self.round = round_
+        self.round, self.fmt = round_, fmt
+        self.encoded_averages: dict[int, torch.Tensor] = {}  # by part index: what every member gets
+        if fmt is not None:  # hivemind's container returns deltas; this one decoded averages
+            self.tensor_part_container.finalize()
+            self.tensor_part_container = _DecodingContainer(
+                fmt,
+                kwargs["tensors"],
+                kwargs["peer_fractions"],
+                compression=kwargs["compression"],
+                part_size_bytes=kwargs.get("part_size_bytes", DEFAULT_PART_SIZE_BYTES),
+            )
+            own = self.ordered_peer_ids.index(self.peer_id)
+            self.parts_for_local_averaging = self.tensor_part_container.get_raw_input_parts(own)
         shapes = tuple(part.shape for part in self.parts_for_local_averaging)
         self.tensor_part_reducer.finished.set()  # hivemind's, unused: collected without a warning
         self.tensor_part_reducer = _ScreeningReducer(shapes, len(self.sender_peer_ids), self._screen)
@@ -166,6 +250,9 @@ class _Runner(AllReduceRunner):
         self.poison_factor = POISON_FACTOR
 
     async def _communicate_with_peer(self, peer_id: PeerID):
+        if self.fmt is not None and peer_id == self.peer_id:
+            await self._reduce_own_parts()
+            return
         try:
             await super()._communicate_with_peer(peer_id)
         except AllreduceException as e:
@@ -177,6 +264,49 @@ class _Runner(AllReduceRunner):
         except BaseException:
             self.failed.add(peer_id)
             raise
+
+    async def _reduce_own_parts(self) -> None:
+        """Our share of the vector, reduced by us: we keep the encoded average, as the others get it."""
+        peer_index = self.ordered_peer_ids.index(self.peer_id)
+        sender_index = self.sender_peer_ids.index(self.peer_id)
+        for part_index, part in enumerate(self.parts_for_local_averaging):
+            average = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, part, self.weight
+            )
+            self.tensor_part_container.register_processed_part(
+                peer_index, part_index, self._encoded_average(part_index, average)
+            )
+
+    def _encoded_average(self, part_index: int, average: torch.Tensor) -> torch.Tensor:
+        """The average of part ``part_index`` in the round's format, encoded once for every member."""
+        if part_index not in self.encoded_averages:
+            self.encoded_averages[part_index] = self.fmt.encode(average)
+        return self.encoded_averages[part_index]
+
+    async def _accumulate_parts_streaming(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind's, answering each part with the encoded average where the round has a format."""
+        if self.fmt is None:
+            async for message in super()._accumulate_parts_streaming(stream, sender_index):
+                yield message
+            return
+        part_index = 0
+        try:
+            async for message in stream:
+                part = deserialize_torch_tensor(message.tensor_part)
+                try:
+                    average = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, part, weight=message.weight
+                    )
+                except BannedException:
+                    break
+                encoded = serialize_torch_tensor(self._encoded_average(part_index, average))
+                part_index += 1
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for message in super()._generate_input_for_peer(peer_index):
@@ -202,21 +332,28 @@ class _Runner(AllReduceRunner):
             if not self.serving:
                 self.served.set()
 
-    def _screen(self, sender_index: int, part_index: int, part: torch.Tensor, weight: float) -> None:
-        """Refuse another member's part (:class:`PoisonedPart`; hivemind's runner then drops the
-        sender) that claims another weight than the agreed one, or that :func:`poison` refuses."""
+    def _screen(self, sender_index: int, part_index: int, part: torch.Tensor, weight: float) -> torch.Tensor:
+        """The part to sum (decoded where the round has a format); refuse another member's part
+        (:class:`PoisonedPart`; hivemind's runner then drops the sender) that does not decode,
+        claims another weight than the agreed one, or that :func:`poison` refuses."""
         sender = self.sender_peer_ids[sender_index]
         if sender == self.peer_id:
-            return
+            return part
+        own = self.parts_for_local_averaging[part_index]
         agreed = self.round.weight_of(sender)
-        problem = (
-            f"weighs its parts {weight}, not the agreed {agreed}"
-            if not math.isclose(weight, agreed, rel_tol=1e-9)
-            else poison(part, self.parts_for_local_averaging[part_index], self.poison_factor)
-        )
+        problem = None
+        if self.fmt is not None:
+            try:
+                part = self.fmt.decode(part, own.numel()).view_as(own)
+            except (ValueError, RuntimeError) as e:
+                problem = f"not in the round's {self.fmt.name} format ({e})"
+        if problem is None and not math.isclose(weight, agreed, rel_tol=1e-9):
+            problem = f"weighs its parts {weight}, not the agreed {agreed}"
+        problem = problem or poison(part, own, self.poison_factor)
         if problem is not None:
             self.poisoned.add(sender)
             raise PoisonedPart(f"part {part_index} from {sender}: {problem}")
+        return part
 
 
 class AveragingRouter(ServicerBase):
@@ -281,12 +418,18 @@ class ReplicaAverager:
     async def stop(self) -> None:
         await self.router.remove_p2p_handlers(self.p2p, namespace=self.namespace)
 
-    async def average(self, round_: Round, tensors: Sequence[torch.Tensor]) -> RoundStats:
-        """Replace ``tensors`` in place by the weighted average over the round's members;
+    async def average(
+        self, round_: Round, tensors: Sequence[torch.Tensor], fmt: SyncFormat | None = None
+    ) -> RoundStats:
+        """Replace ``tensors`` in place by the weighted average over the round's members (sent in
+        ``fmt`` where given, after rounding each member's tensors to it; else float64);
         :class:`RoundFailed` (tensors unchanged) if the round lost a member."""
         work = [t.detach().to("cpu", torch.float64).contiguous() for t in tensors]
+        if fmt is not None:
+            work = [fmt.roundtrip(w) for w in work]
         runner = _Runner(
             round_,
+            fmt,
             p2p=self.p2p,
             servicer_type=AveragingRouter,
             prefix=self.namespace,
@@ -322,7 +465,10 @@ class ReplicaAverager:
         if silent or runner.poisoned or runner.aborted_by or runner.tensor_part_container.failed_size:
             self.offences.update(runner.poisoned)
             raise RoundFailed(silent, runner.poisoned, runner.aborted_by)
-        results = [base + delta for base, delta in zip(work, deltas, strict=True)]
+        # a round with a format returns the averages themselves (identical on every member)
+        results = (
+            deltas if fmt is not None else [base + delta for base, delta in zip(work, deltas, strict=True)]
+        )
         for base, result in zip(work, results, strict=True):
             # A reducer could return anything: an average of finite parts is finite and no larger
             # than the largest of them, so one far larger than our own part is refused.

@@ -14,7 +14,8 @@ into the one sequence a single process follows.
 that yields the messages it exchanges with its neighbours (:class:`Send`, :class:`Receive`):
 MAPL gradient shares are summed across each boundary (so both copies of a boundary take the
 identical step), the optimizer steps, then the RVQ sender learns its codebooks from what it sent
-this step and ships the delta, which the receiver applies before the step ends. A transport
+this step and ships the delta, which the receiver applies before the step ends; at the end of a
+MAPL PCA warm-up the sender ships its new projection the same way. A transport
 drives one program per stage: :func:`run_in_process` by function calls (the single-process
 pipeline), :func:`run_over_links` over a node's boundary streams. Bytes moved are the
 :attr:`BoundarySync.nbytes` of every message sent.
@@ -29,7 +30,7 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple, TypeVar
 
 from swarm.core.config import SCHEDULES
-from swarm.core.mapl import pack_gradients, sum_gradients, unpack_gradients
+from swarm.core.mapl import pack_gradients, sum_gradients, unpack_gradients, unpack_projection
 from swarm.runtime.wire import BoundarySync
 from swarm.runtime.worker import StageStats, StageWorker
 
@@ -147,12 +148,26 @@ def ship_codebooks(worker: StageWorker, step: int) -> Program[None]:
         worker.apply_codebook_delta(sync.codebook_delta)
 
 
+def ship_mapl_projection(worker: StageWorker, step: int) -> Program[None]:
+    """MAPL PCA initialisation, after optimizer step ``codec.mapl_pca_steps - 1``: the sender switches
+    its projection to the principal directions of its warm-up inputs and ships it; the receiver
+    validates and installs it, so both copies hold the same new ``A`` from the next step on."""
+    if step + 1 != worker.config.codec.mapl_pca_steps:
+        return
+    if "out" in worker.mapl:
+        yield Send(True, BoundarySync(step, worker.index, mapl_projection=worker.principal_projection()))
+    if "in" in worker.mapl:
+        sync = yield Receive(False, "MAPL projection")
+        worker.install_projection("in", unpack_projection(sync.mapl_projection, worker.mapl["in"]))
+
+
 def end_step(worker: StageWorker, step: int) -> Program[StageStats]:
-    """A stage's end of step after its last backward: MAPL shares, the optimizer step, RVQ deltas;
-    returns the step's stats."""
+    """A stage's end of step after its last backward: MAPL shares, the optimizer step, RVQ deltas,
+    the MAPL projection at the end of a PCA warm-up; returns the step's stats."""
     yield from share_mapl_gradients(worker, step)
     stats = worker.optimizer_step(step)
     yield from ship_codebooks(worker, step)
+    yield from ship_mapl_projection(worker, step)
     return stats
 
 

@@ -101,13 +101,15 @@ class GradientFrame:
 
 @dataclass(frozen=True)
 class BoundarySync:
-    """Per-step boundary state for the neighbour: a MAPL gradient share or an RVQ codebook delta."""
+    """Per-step boundary state for the neighbour: a MAPL gradient share, an RVQ codebook delta, or
+    a MAPL projection (the sender's PCA initialisation, once)."""
 
     step: int
     boundary: int
     mapl_gradients: bytes = b""
     codebook_delta: bytes = b""
+    mapl_projection: bytes = b""
 
     @property
     def nbytes(self) -> int:
-        return len(self.mapl_gradients) + len(self.codebook_delta)
+        return len(self.mapl_gradients) + len(self.codebook_delta) + len(self.mapl_projection)

@@ -21,9 +21,10 @@ from swarm.codecs.base import PayloadError
 from swarm.codecs.boundary import BoundaryCodec, IdentityMap, SubspaceMap
 from swarm.codecs.rvq import ResidualVQ
 from swarm.core.config import RunConfig, stage_layer_ranges
-from swarm.core.mapl import MaplBoundary, boundary_gradients, set_boundary_gradients
+from swarm.core.mapl import MaplBoundary, boundary_gradients, pack_projection, set_boundary_gradients
 from swarm.core.model import Stage, name_seed
 from swarm.core.optim import build_optimizer
+from swarm.core.precision import check_master_dtype, layer_autocast
 from swarm.core.profiles import load_profile
 from swarm.core.subspace import BoundaryStatistic, SubspaceRotation, rotate_stage
 from swarm.runtime.emulation import EmulatedStage
@@ -83,6 +84,7 @@ class StageWorker:
             else None
         )
         self.device, self.dtype = torch.device(device), dtype
+        check_master_dtype(config.train.precision, dtype)
         start, end = stage_layer_ranges(config.model.n_layers, config.n_stages)[index]
         self.stage = _build_stage(config, start, end, fixed_embedding, basis).to(device, dtype)
         # The codec's basis: the stage's own buffer when the model is constrained (rotations
@@ -124,6 +126,8 @@ class StageWorker:
             bmap = MaplBoundary(
                 self.stage.fixed_embedding, cfg.mapl_rank, cfg.anchor_rank, self.config.train.seed, boundary
             ).to(self.device, self.dtype)
+            if side == "out" and cfg.mapl_pca_steps:
+                bmap.track_input_moment()
             self.mapl[side] = bmap
         else:
             raise ValueError(f"unknown codec kind {cfg.kind!r}; choose identity, subspace or mapl")
@@ -159,7 +163,8 @@ class StageWorker:
             if not isinstance(source, torch.Tensor):
                 raise TypeError("stage 0 takes token ids, not a frame")
             ids = source.to(self.device)
-            x = self.stage(ids[:, :-1])
+            with layer_autocast(self.config.train.precision, self.device):
+                x = self.stage(ids[:, :-1])
         else:
             if not isinstance(source, ActivationFrame):
                 raise TypeError(f"stage {self.index} takes an activation frame")
@@ -171,11 +176,14 @@ class StageWorker:
             x_in = self.inbound.map.lift(received, ids[:, :-1])
             if self.statistic is not None and train:
                 x_in.register_hook(self.statistic.add)
-            x = self.stage(ids[:, :-1], x_in)
+            with layer_autocast(self.config.train.precision, self.device):
+                x = self.stage(ids[:, :-1], x_in)
         if self.is_last:
             loss = F.cross_entropy(x.float().flatten(0, 1), ids[:, 1:].flatten())
             output = loss / self.config.train.microbatches
         else:
+            if train and self.config.codec.mapl_pca_steps > step:  # the sender's PCA warm-up
+                self.mapl["out"].observe(x, ids[:, :-1])
             output = self.outbound.map.project(x, ids[:, :-1])
             frame = self.outbound.encode_activation(output, ids, step, microbatch, self.version)
         if train:
@@ -245,6 +253,17 @@ class StageWorker:
 
     def set_boundary_gradients(self, side: str, grads: dict[str, torch.Tensor]) -> None:
         set_boundary_gradients(self.mapl[side], grads)
+
+    def principal_projection(self) -> bytes:
+        """MAPL PCA initialisation, sender side: switch the outbound projection to the principal
+        directions of the inputs seen during the warm-up; returns it packed for the receiver."""
+        a = self.mapl["out"].principal_directions()
+        self.install_projection("out", a)
+        return pack_projection(a)
+
+    def install_projection(self, side: str, a: torch.Tensor) -> None:
+        """Make ``a`` (float64) this side's MAPL projection; its Stiefel optimizer state restarts."""
+        self.mapl[side].replace_projection(a.to(self.device, self.dtype), self.optimizer.stiefel)
 
     def optimizer_step(self, step: int) -> StageStats:
         """Step the optimizer, learn the outbound codebooks, and return (then reset) the step's stats."""

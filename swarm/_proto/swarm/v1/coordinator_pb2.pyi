@@ -117,7 +117,7 @@ class StageReplicas(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[StageReplica, _Mapping]]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("node_id", "run_id", "config_json", "config_hash", "embedding_digest", "embedding_size", "subspace_version", "heartbeat_interval_ms", "dht_initial_peers", "plan", "run_complete", "session")
+    __slots__ = ("node_id", "run_id", "config_json", "config_hash", "embedding_digest", "embedding_size", "subspace_version", "heartbeat_interval_ms", "dht_initial_peers", "plan", "run_complete", "session", "reachable", "reachability")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -130,6 +130,8 @@ class JoinReply(_message.Message):
     PLAN_FIELD_NUMBER: _ClassVar[int]
     RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    REACHABILITY_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     config_json: str
@@ -142,7 +144,9 @@ class JoinReply(_message.Message):
     plan: Plan
     run_complete: bool
     session: str
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ..., embedding_digest: _Optional[str] = ..., embedding_size: _Optional[int] = ..., subspace_version: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., session: _Optional[str] = ...) -> None: ...
+    reachable: bool
+    reachability: str
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ..., embedding_digest: _Optional[str] = ..., embedding_size: _Optional[int] = ..., subspace_version: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., session: _Optional[str] = ..., reachable: _Optional[bool] = ..., reachability: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
     __slots__ = ("node_id", "step", "phase", "plan_epoch", "tokens_per_second", "subspace_version", "averaging_address", "capacity_tokens_per_second")
@@ -387,7 +391,7 @@ class StepSummary(_message.Message):
     def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ..., completed_at: _Optional[float] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "node_name", "address", "stages", "last_heartbeat_age_s", "alive", "device", "phase", "plan_epoch", "step", "tokens_per_second", "subspace_version", "left", "last_stages")
+    __slots__ = ("node_id", "node_name", "address", "stages", "last_heartbeat_age_s", "alive", "device", "phase", "plan_epoch", "step", "tokens_per_second", "subspace_version", "left", "last_stages", "reachable")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -402,6 +406,7 @@ class NodeStatus(_message.Message):
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
     LEFT_FIELD_NUMBER: _ClassVar[int]
     LAST_STAGES_FIELD_NUMBER: _ClassVar[int]
+    REACHABLE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     node_name: str
     address: str
@@ -416,10 +421,11 @@ class NodeStatus(_message.Message):
     subspace_version: int
     left: bool
     last_stages: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, node_id: _Optional[str] = ..., node_name: _Optional[str] = ..., address: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., last_heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., device: _Optional[str] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., left: _Optional[bool] = ..., last_stages: _Optional[_Iterable[int]] = ...) -> None: ...
+    reachable: bool
+    def __init__(self, node_id: _Optional[str] = ..., node_name: _Optional[str] = ..., address: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., last_heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., device: _Optional[str] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., left: _Optional[bool] = ..., last_stages: _Optional[_Iterable[int]] = ..., reachable: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps", "plan_epoch", "resume_step", "latest_cut", "run_complete", "epochs_restarted", "rates")
+    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps", "plan_epoch", "resume_step", "latest_cut", "run_complete", "epochs_restarted", "rates", "plan_problems")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -433,6 +439,7 @@ class StatusReply(_message.Message):
     RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     EPOCHS_RESTARTED_FIELD_NUMBER: _ClassVar[int]
     RATES_FIELD_NUMBER: _ClassVar[int]
+    PLAN_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     subspace_version: int
@@ -446,7 +453,8 @@ class StatusReply(_message.Message):
     run_complete: bool
     epochs_restarted: int
     rates: RunRates
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., latest_cut: _Optional[int] = ..., run_complete: _Optional[bool] = ..., epochs_restarted: _Optional[int] = ..., rates: _Optional[_Union[RunRates, _Mapping]] = ...) -> None: ...
+    plan_problems: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., latest_cut: _Optional[int] = ..., run_complete: _Optional[bool] = ..., epochs_restarted: _Optional[int] = ..., rates: _Optional[_Union[RunRates, _Mapping]] = ..., plan_problems: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunRates(_message.Message):
     __slots__ = ("steps", "loss", "tokens_per_second", "bytes_per_token", "compression_ratio")

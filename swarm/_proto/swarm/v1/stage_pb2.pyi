@@ -68,16 +68,18 @@ class Hello(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., run_id: _Optional[str] = ..., config_hash: _Optional[str] = ..., boundary: _Optional[int] = ..., stage: _Optional[int] = ..., auth_token: _Optional[str] = ..., node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class BoundarySync(_message.Message):
-    __slots__ = ("step", "boundary", "mapl_gradients", "codebook_delta")
+    __slots__ = ("step", "boundary", "mapl_gradients", "codebook_delta", "mapl_projection")
     STEP_FIELD_NUMBER: _ClassVar[int]
     BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     MAPL_GRADIENTS_FIELD_NUMBER: _ClassVar[int]
     CODEBOOK_DELTA_FIELD_NUMBER: _ClassVar[int]
+    MAPL_PROJECTION_FIELD_NUMBER: _ClassVar[int]
     step: int
     boundary: int
     mapl_gradients: bytes
     codebook_delta: bytes
-    def __init__(self, step: _Optional[int] = ..., boundary: _Optional[int] = ..., mapl_gradients: _Optional[bytes] = ..., codebook_delta: _Optional[bytes] = ...) -> None: ...
+    mapl_projection: bytes
+    def __init__(self, step: _Optional[int] = ..., boundary: _Optional[int] = ..., mapl_gradients: _Optional[bytes] = ..., codebook_delta: _Optional[bytes] = ..., mapl_projection: _Optional[bytes] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("code", "message")

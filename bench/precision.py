@@ -1,0 +1,113 @@
+"""Mixed precision: tokens/s and model FLOP utilisation of the single-process trainer, fp32 against bf16.
+
+The same run trains with ``train.precision`` fp32 and bf16 side by side on this machine's device
+(CUDA when present), as one stage and as several (the default codec: subspace, bf16 both ways),
+on random token batches; the first steps warm up kernels and allocators and are left out of the
+timing. Model FLOPs per token are those of the layers' and the head's matrix products, forward
+and backward (3x the forward), with the attention scores counted at full length (PaLM's
+``6N + 12 L d T`` convention) and a subspace-constrained write as its two thin products
+(``W'`` then ``U^T``). MFU divides the achieved FLOP/s by the device's dense bf16 peak, the same
+peak for both precisions; it is left empty where the peak is unknown (every CPU).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+
+import torch
+
+from swarm.core.config import ModelConfig, RunConfig, TrainConfig
+from swarm.core.device import pick_device
+from swarm.runtime.pipeline import LocalPipeline
+
+# Dense bf16 tensor-core peaks (TFLOP/s) from NVIDIA's data sheets; the first name contained in
+# the device's name wins, so the PCIe part comes before the SXM one.
+PEAK_BF16_TFLOPS = {"H100 PCIe": 756.0, "H100": 989.0, "H200": 989.0, "A100": 312.0}
+
+
+@dataclasses.dataclass(frozen=True)
+class PrecisionPlan:
+    model: ModelConfig
+    train: TrainConfig
+    stage_counts: tuple[int, ...] = (1, 4)
+    warmup_steps: int = 1
+    steps: int = 3  # timed
+
+
+def flops_per_token(model: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs of one token's forward and backward pass through every layer and the head."""
+    d, f = model.d_model, model.d_ff
+
+    def write(d_in: int, layer: int) -> int:  # a residual write: W (d x in), or W' (k x in) then U^T
+        rank = model.write_rank(layer)
+        return 2 * (d_in * rank + rank * d) if rank else 2 * d_in * d
+
+    layers = sum(
+        2 * d * 3 * d + 4 * seq_len * d + write(d, i) + 2 * d * 2 * f + write(f, i)
+        for i in range(model.n_layers)
+    )
+    return 3.0 * (layers + 2 * d * model.vocab_size)
+
+
+def peak_bf16_flops(device: torch.device) -> float | None:
+    """The device's dense bf16 peak in FLOP/s; None where this module does not know it."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((tflops * 1e12 for part, tflops in PEAK_BF16_TFLOPS.items() if part in name), None)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def measure(config: RunConfig, device: torch.device, warmup_steps: int, steps: int) -> dict:
+    """Steady-state tokens/s of :class:`LocalPipeline` training ``config`` on ``device``."""
+    pipe = LocalPipeline(config, device=device)
+    gen = torch.Generator().manual_seed(config.train.seed)
+    shape = (config.train.batch_size, config.train.seq_len + 1)
+    seconds, tokens, loss = [], 0, float("nan")
+    for step in range(warmup_steps + steps):
+        ids = torch.randint(0, config.model.vocab_size, shape, generator=gen)
+        _sync(device)
+        t0 = time.perf_counter()
+        result = pipe.train_step(step, ids)
+        _sync(device)
+        if step >= warmup_steps:
+            seconds.append(time.perf_counter() - t0)
+            tokens += result.tokens
+        loss = result.loss
+    return {"tokens_per_s": tokens / sum(seconds), "step_seconds": seconds, "final_loss": loss}
+
+
+def run(plan: PrecisionPlan, device: str = "auto") -> dict:
+    """fp32 and bf16 rows for every stage count, with model TFLOP/s, MFU and the ratios between rows."""
+    dev = pick_device(device)
+    peak = peak_bf16_flops(dev)
+    per_token = flops_per_token(plan.model, plan.train.seq_len)
+    rows = []
+    for n_stages in plan.stage_counts:
+        for precision in ("fp32", "bf16"):
+            train = dataclasses.replace(plan.train, precision=precision)
+            config = RunConfig(model=plan.model, train=train, n_stages=n_stages)
+            row = {"n_stages": n_stages, "precision": precision}
+            row |= measure(config, dev, plan.warmup_steps, plan.steps)
+            row["model_tflops_per_s"] = row["tokens_per_s"] * per_token / 1e12
+            row["mfu"] = row["tokens_per_s"] * per_token / peak if peak else None
+            rows.append(row)
+    for row in rows:
+        same = {r["precision"]: r for r in rows if r["n_stages"] == row["n_stages"]}
+        one = next(
+            r for r in rows if r["n_stages"] == plan.stage_counts[0] and r["precision"] == row["precision"]
+        )
+        row["speedup_vs_fp32"] = row["tokens_per_s"] / same["fp32"]["tokens_per_s"]
+        row["vs_first_stage_count"] = row["tokens_per_s"] / one["tokens_per_s"]
+    return {
+        "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
+        "peak_bf16_tflops": peak / 1e12 if peak else None,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "flops_per_token": per_token,
+        "rows": rows,
+    }

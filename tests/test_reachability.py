@@ -1,0 +1,312 @@
+"""Volunteers behind NAT: placement that keeps an accepting end on every link, and reachability
+measured at Join (a real coordinator dialling real gRPC servers on loopback)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+import random
+import socket
+import sqlite3
+import time
+from pathlib import Path
+
+import grpc
+from swarm.coordinator.assignment import Reach, add_replicas, assign, place, stages_of, unconnectable
+from swarm.coordinator.service import CoordinatorServer, CoordinatorService
+from swarm.coordinator.settings import CoordinatorSettings
+from swarm.coordinator.state import CoordinatorState, NodeRecord
+from swarm.node.coordinator_client import CoordinatorClient
+from swarm.node.settings import Timeouts
+from swarm.node.stage_service import StageService
+
+from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
+from swarm._proto.swarm.v1 import coordinator_pb2_grpc, stage_pb2_grpc
+from swarm.net.credentials import session_metadata
+from swarm.net.frames import PROTOCOL_VERSION
+from swarm.ops.metrics import Metrics
+from swarm.ops.status import render, status_document
+from tests.helpers import tiny_config
+from tests.procs import free_port
+
+TOKEN = "reachability-test-token"
+REACH_TIMEOUT_S = 1.5
+
+
+# -- placement (pure functions) -----------------------------------------------------------------
+
+
+def one_each(*names: str) -> list[tuple[str, int]]:
+    """Nodes in join order that may host one stage each."""
+    return [(n, 1) for n in names]
+
+
+def feasible(n_stages: int, nodes: list[str], reach: Reach) -> bool:
+    """Whether some one-stage-per-node placement hosts every stage with every link connectable."""
+    return any(
+        all(reach.connectable(a, b) for a, b in itertools.pairwise(order))
+        for order in itertools.permutations(nodes, n_stages)
+    )
+
+
+def test_joins_one_at_a_time_never_plan_a_link_neither_end_accepts():
+    """Random join orders of dial-only and open nodes (one stage each): every plan along the way has
+    an accepting end on every link, and once the nodes that joined could host every stage that way,
+    they do."""
+    rng = random.Random(0)
+    for _ in range(300):
+        n_stages = rng.randint(2, 5)
+        nodes = [f"n{i}" for i in range(rng.randint(1, 7))]
+        reach = Reach(dial_only=frozenset(n for n in nodes if rng.random() < 0.6))
+        owners: list[tuple[str, ...]] = [()] * n_stages
+        for i in range(len(nodes)):
+            owners = place(owners, one_each(*nodes[: i + 1]), reach)
+            assert unconnectable(owners, reach) == [], (owners, reach)
+            if feasible(n_stages, nodes[: i + 1], reach):
+                assert all(owners), (nodes[: i + 1], reach.dial_only, owners)
+
+
+def test_a_dial_only_node_goes_where_an_open_neighbour_is():
+    reach = Reach(dial_only=frozenset({"d1", "d2"}))
+    # d2 skips stage 1 (next to d1) for stage 2, next to a free stage: only an open node fits stage 1.
+    assert assign([()] * 3, [("d1", 1), ("d2", 1)], reach) == [("d1",), (), ("d2",)]
+    more = Reach(dial_only=frozenset({"d1", "d2", "d3"}))
+    assert assign([("d1",), (), ("d2",)], [("d3", 1), ("o", 1)], more) == [
+        ("d1",),
+        ("o",),
+        ("d2",),
+    ]
+    # A dial-only node with room for two stages takes both ends' neighbours into account.
+    assert assign([("o",), (), (), ("d1",)], [("d2", 2)], reach) == [("o",), ("d2",), (), ("d1",)]
+    # Without reachability (everyone accepts) the plain rule holds.
+    assert assign([()] * 3, [("d1", 1), ("d2", 1)]) == [("d1",), ("d2",), ()]
+
+
+def test_a_standby_that_fits_nowhere_swaps_with_a_host_instead_of_waiting():
+    """Stage 1 is free between a dial-only node and an open one; the only standby is dial-only.
+    One open host moves to stage 1 and the standby takes its place."""
+    reach = Reach(dial_only=frozenset({"d1", "d2"}))
+    owners = [("d1",), (), ("o2",), ("o3",)]
+    placed = place(owners, one_each("d1", "o2", "o3", "d2"), reach)
+    assert all(placed) and unconnectable(placed, reach) == []
+    assert stages_of(placed, "d1") == [0]
+    moved = [n for n in ("o2", "o3") if stages_of(placed, n) != stages_of(owners, n)]
+    assert len(moved) == 1 and stages_of(placed, moved[0]) == [1]
+
+
+def test_too_few_open_nodes_leave_a_stage_free_rather_than_plan_an_unconnectable_link():
+    reach = Reach(dial_only=frozenset({"d1", "d2", "d3"}))
+    placed = place([()] * 2, one_each("d1", "d2"), reach)
+    assert placed == [("d1",), ()]  # d2 waits as a standby: no link planned that cannot open
+    # Owners that already hold such a link (a state from before) are left as they are when no
+    # placement avoids it, and the link is listed.
+    stuck = [("d1",), ("d2",)]
+    assert place(stuck, one_each("d1", "d2", "d3"), reach) == stuck
+    assert unconnectable(stuck, reach) == [(0, "d1", "d2")]
+    # With an open standby, the downstream end makes room for it.
+    assert place(stuck, one_each("d1", "d2", "o"), reach) == [("d1",), ("o",)]
+
+
+def test_a_pair_that_failed_to_connect_is_placed_apart():
+    chain = [("a",), ("b",), ("c",), ("d",)]
+    broken = Reach(broken=frozenset({frozenset({"a", "b"})}))
+    # A standby takes the downstream end's stage.
+    assert place(chain, one_each(*"abcds"), broken) == [("a",), ("s",), ("c",), ("d",)]
+    # Without one, another stage's node swaps places with it.
+    rerouted = place(chain, one_each(*"abcd"), broken)
+    assert sorted(rerouted) == sorted(chain) and unconnectable(rerouted, broken) == []
+    # No placement avoids it: the plan stays (and the link is listed).
+    pair = [("a",), ("b",)]
+    both = Reach(broken=frozenset({frozenset({"a", "b"})}))
+    assert place(pair, one_each("a", "b"), both) == pair and unconnectable(pair, both) == [(0, "a", "b")]
+
+
+def test_a_dial_only_replica_joins_only_a_stage_whose_neighbours_accept():
+    reach = Reach(dial_only=frozenset({"d0", "dx", "dy"}))
+    # Stage 1 has the least capacity, but it is next to dial-only d0: dx joins stage 0 instead.
+    assert add_replicas([("d0",), ("o1",)], ["dx"], {"d0": 100.0, "o1": 1.0}, 2, reach=reach) == [
+        ("d0", "dx"),
+        ("o1",),
+    ]
+    # The same capacities with the open node first: the weakest stage is fine.
+    assert add_replicas([("o0",), ("d0",)], ["dx"], {"o0": 100.0, "d0": 1.0}, 2, reach=reach) == [
+        ("o0",),
+        ("d0", "dx"),
+    ]
+    # Every stage is next to a dial-only host: dx stays a standby, an open node still joins.
+    owners = [("d0",), ("dy",), ("o",)]
+    assert add_replicas(owners, ["dx", "ox"], {}, 2, reach=reach) == [("d0", "ox"), ("dy",), ("o",)]
+
+
+# -- reachability measured at Join ----------------------------------------------------------------
+
+
+class StageServer:
+    """A real Stage gRPC server on loopback (what a node serves from before it joins)."""
+
+    async def __aenter__(self) -> str:
+        self.server = grpc.aio.server()
+        stage_pb2_grpc.add_StageServicer_to_server(StageService(Metrics("node")), self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        await self.server.start()
+        return f"127.0.0.1:{port}"
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.server.stop(None)
+
+
+def join_request(name: str, address: str) -> cpb.JoinRequest:
+    return cpb.JoinRequest(
+        protocol_version=PROTOCOL_VERSION, token=TOKEN, node_name=name, announce_address=address
+    )
+
+
+def test_join_records_who_the_coordinator_can_reach_and_places_accordingly(tmp_path: Path, caplog):
+    """Three nodes join a 3-stage run: one listening, one announcing a free port nobody listens on,
+    one announcing a port that accepts TCP but never answers (a black hole). The last two are told
+    (and log, naming the address) that they are dial-only, within the Join timeout; the placement
+    keeps an accepting end on every link, and ``Status`` shows all of it."""
+    silent = socket.socket()  # accepts connections in the kernel, never answers: like a dead NAT mapping
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(8)
+    unbound = f"127.0.0.1:{free_port()}"
+    hole = f"127.0.0.1:{silent.getsockname()[1]}"
+
+    async def scenario() -> tuple[dict[str, cpb.JoinReply], dict[str, float], cpb.StatusReply, Metrics]:
+        metrics = Metrics("coordinator")
+        settings = CoordinatorSettings(reach_timeout_s=REACH_TIMEOUT_S)
+        service = CoordinatorService(
+            tiny_config(n_stages=3), TOKEN, tmp_path / "state.sqlite", None, metrics, [], settings
+        )
+        replies, seconds = {}, {}
+        async with CoordinatorServer(service) as server, StageServer() as listening:
+            address = f"127.0.0.1:{server.port}"
+            for name, announced in (("refused", unbound), ("open", listening), ("silent", hole)):
+                client = CoordinatorClient(address, Timeouts(rpc_s=10), Metrics("node"))
+                t0 = time.monotonic()
+                replies[name] = await client.join(join_request(name, announced))
+                seconds[name] = time.monotonic() - t0
+                await client.close()
+            channel = grpc.aio.insecure_channel(address)
+            status = await coordinator_pb2_grpc.CoordinatorStub(channel).Status(cpb.StatusRequest())
+            await channel.close()
+        return replies, seconds, status, metrics
+
+    with caplog.at_level(logging.INFO):
+        replies, seconds, status, metrics = asyncio.run(asyncio.wait_for(scenario(), 60))
+    silent.close()
+    assert {n: r.reachable for n, r in replies.items()} == {"refused": False, "open": True, "silent": False}
+    assert seconds["refused"] < REACH_TIMEOUT_S and seconds["silent"] < REACH_TIMEOUT_S + 2, seconds
+    for name, announced in (("refused", unbound), ("silent", hole)):
+        assert f"could not reach {announced}" in replies[name].reachability
+        warned = [r for r in caplog.records if r.levelno == logging.WARNING and announced in r.getMessage()]
+        assert {r.name for r in warned} >= {"swarm.node.coordinator_client", "swarm.coordinator"}, warned
+    samples = metrics.registry.get_sample_value
+    assert samples("swarm_unreachable_joins_total", {"reason": "no_answer"}) == 2
+    # "refused" took stage 0; "open" stage 1 (next to it: it accepts); "silent" stage 2, next to "open".
+    assert {n: list(r.plan.stages) for n, r in replies.items()} == {
+        "refused": [0],
+        "open": [1],
+        "silent": [2],
+    }
+    nodes = {n.node_name: n for n in status.nodes}
+    assert {name: n.reachable for name, n in nodes.items()} == {
+        "refused": False,
+        "open": True,
+        "silent": False,
+    }
+    assert nodes["silent"].address == hole  # what it announced, shown as such
+    doc = status_document(status)
+    assert {n["name"]: n["inbound"] for n in doc["nodes"]} == {
+        "refused": "unreachable",
+        "open": "open",
+        "silent": "unreachable",
+    }
+    assert not doc["plan_problems"] and "plan problem" not in render(status, "here")
+
+
+def test_a_dial_only_join_that_fits_nowhere_is_shown_as_a_plan_problem(tmp_path: Path):
+    """Two nodes without an address on a 2-stage run: the second is not planned next to the first
+    (neither could accept the stream) but waits, and ``Status`` says what is missing."""
+
+    async def scenario() -> tuple[list[cpb.JoinReply], cpb.StatusReply]:
+        service = CoordinatorService(
+            tiny_config(n_stages=2), TOKEN, tmp_path / "state.sqlite", None, Metrics("coordinator"), []
+        )
+        async with CoordinatorServer(service) as server:
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            replies = [await stub.Join(join_request(name, ""), timeout=10) for name in ("a", "b")]
+            status = await stub.Status(cpb.StatusRequest())
+            await channel.close()
+        return replies, status
+
+    replies, status = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert [list(r.plan.stages) for r in replies] == [[0], []]
+    assert not any(r.reachable for r in replies) and "no address announced" in replies[0].reachability
+    (problem,) = status.plan_problems
+    assert "free stages 1" in problem and "a node with an open port is needed" in problem
+    assert f"plan problem: {problem}" in render(status, "here")
+    assert [n["inbound"] for n in status_document(status)["nodes"]] == ["dial-only", "dial-only"]
+
+
+def test_a_link_that_fails_in_two_consecutive_epochs_is_placed_around(tmp_path: Path):
+    """b reports its link to c broken in two epochs in a row while c answers Pings: the first
+    restarts the same plan, the second gives c's stage to the standby instead."""
+
+    async def scenario() -> tuple[list[dict[str, list[int]]], list[int]]:
+        service = CoordinatorService(
+            tiny_config(n_stages=3), TOKEN, tmp_path / "state.sqlite", None, Metrics("coordinator"), []
+        )
+        async with CoordinatorServer(service) as server, contextlib.AsyncExitStack() as stack:
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+            stack.push_async_callback(channel.close)
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            joined = {}
+            for name in "abcs":
+                address = await stack.enter_async_context(StageServer())
+                joined[name] = await stub.Join(join_request(name, address), timeout=10)
+
+            def stages() -> dict[str, list[int]]:
+                return {n.name: n.stages for n in service.roster.nodes.values()}
+
+            seen, epochs = [stages()], [service.ledger.plan_epoch]
+            for _ in range(2):
+                b = joined["b"]
+                report = cpb.FailureReport(
+                    node_id=b.node_id,
+                    plan_epoch=service.ledger.plan_epoch,
+                    reason="boundary 1: could not reach c",
+                    peer_node_id=joined["c"].node_id,
+                )
+                await stub.ReportFailure(report, timeout=10, metadata=session_metadata(b.node_id, b.session))
+                seen.append(stages())
+                epochs.append(service.ledger.plan_epoch)
+        return seen, epochs
+
+    seen, epochs = asyncio.run(asyncio.wait_for(scenario(), 30))
+    start = {"a": [0], "b": [1], "c": [2], "s": []}
+    assert seen == [start, start, {"a": [0], "b": [1], "c": [], "s": [2]}]
+    assert epochs[1] == epochs[0] + 1 and epochs[2] == epochs[1] + 1
+
+
+def test_reachability_is_kept_in_the_state_and_read_from_one_written_before_it(tmp_path: Path):
+    path = tmp_path / "state.sqlite"
+    old = sqlite3.connect(path)  # the nodes table as it was before reachability was measured
+    old.execute(
+        "CREATE TABLE nodes (id TEXT PRIMARY KEY, name TEXT, address TEXT, device TEXT, max_stages "
+        "INTEGER NOT NULL, stages TEXT NOT NULL, alive INTEGER NOT NULL, joined REAL, updated REAL)"
+    )
+    old.executemany(
+        "INSERT INTO nodes VALUES (?, ?, ?, 'cpu', 1, '[]', 1, ?, 0)",
+        [("a", "a", "127.0.0.1:7001", 1.0), ("b", "b", "", 2.0)],
+    )
+    old.commit()
+    old.close()
+    state = CoordinatorState(path)
+    assert [(n.id, n.reachable) for n in state.nodes()] == [("a", True), ("b", False)]
+    state.upsert_node(NodeRecord("c", "c", "127.0.0.1:7003", "cpu", 1, [], True, reachable=False))
+    assert [(n.id, n.reachable) for n in state.nodes()] == [("a", True), ("b", False), ("c", False)]
+    state.close()
