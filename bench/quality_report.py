@@ -111,14 +111,22 @@ def plots(r: dict, out: Path) -> None:
     q = r["quality"]
     links = [link["name"] for link in q["links"]]
     fig, axes = plt.subplots(1, 1 + len(links), figsize=(6 * (1 + len(links)), 5), squeeze=False)
-    for row in q["rows"]:
+    for i, row in enumerate(q["rows"]):
         steps, losses = zip(*row["val_curve"], strict=True)
         label = f"{row['variant']} ({row['compression_vs_dense_bf16']:.0f}x)"
-        axes[0][0].plot(steps, losses, label=label)
+        # dense in black; the others 20 distinct colours, dashed after the first ten
+        style = {"color": "black", "linewidth": 2} if i == 0 else {"color": plt.cm.tab20((i - 1) % 20)}
+        style["linestyle"] = "--" if i > 10 else "-"
+        axes[0][0].plot(steps, losses, label=label, **style)
         for ax, link in zip(axes[0][1:], links, strict=True):
             step_s = row.get("step_seconds", {}).get(link)
             if step_s:
-                ax.plot([s * step_s / 3600 for s in steps], losses, label=label)
+                ax.plot([s * step_s / 3600 for s in steps], losses, label=label, **style)
+    dense = q["rows"][0]["val_curve"]
+    lowest = min(loss for row in q["rows"] for _, loss in row["val_curve"])
+    top = loss_at(dense, dense[-1][0] // 10) + 1.0  # the start of training is off the chart
+    for ax in axes[0]:
+        ax.set_ylim(lowest - 0.05, top)
     axes[0][0].set_xlabel("step")
     axes[0][0].set_title("validation loss at equal steps")
     for ax, link in zip(axes[0][1:], links, strict=True):
