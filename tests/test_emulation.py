@@ -15,6 +15,7 @@ from swarm.core.config import (
     CheckpointConfig,
     CodecConfig,
     EmulationConfig,
+    ReplicaSyncConfig,
     RotationConfig,
     RunConfig,
     TrainConfig,
@@ -82,6 +83,10 @@ def test_emulation_refuses_what_needs_weights(profile_path):
         _config("subspace", "bf16", emulation=emulation, rotation=RotationConfig(interval=10))
     with pytest.raises(ValueError, match="snapshot"):
         dataclasses.replace(_config("subspace", "bf16"), checkpoint=CheckpointConfig(5), emulation=emulation)
+    with pytest.raises(ValueError, match="outer steps"):
+        dataclasses.replace(
+            _config("subspace", "bf16"), replica_sync=ReplicaSyncConfig(mode="outer"), emulation=emulation
+        )
     with pytest.raises(ValueError, match=r"no compute profile 'no-such-gpu'.*paper-2b-8layer"):
         _config("subspace", "bf16", emulation=EmulationConfig("no-such-gpu"))
 

@@ -10,10 +10,9 @@ import torch
 from swarm.codecs.base import StaleVersionError
 from swarm.core.config import RotationConfig
 from swarm.core.model import Stage
-from swarm.core.subspace import grow_basis, initial_artifacts, next_rotation, random_basis, rotate_stage
+from swarm.core.subspace import grow_basis, next_rotation, random_basis, rotate_stage
 from swarm.io import checkpoint
 from swarm.runtime.pipeline import LocalPipeline
-from swarm.runtime.worker import StageWorker
 from tests.helpers import random_batch, tiny_config
 from tests.test_pipeline import max_relative_error
 
@@ -84,7 +83,7 @@ def test_schedule_grows_until_max_rank_then_turns():
     assert turned.basis.shape == (16, 10)
 
 
-@pytest.mark.parametrize("bad", [{"max_rank": 8}, {"max_rank": 40}, {"interval": 0}])
+@pytest.mark.parametrize("bad", [{"max_rank": 8}, {"max_rank": 40}, {"interval": 0}, {"grow_by": 0}])
 def test_impossible_growth_is_refused(bad):
     with pytest.raises(ValueError, match="rotation"):
         config = tiny_config()
@@ -115,7 +114,10 @@ def test_growing_a_stage_changes_no_output():
     assert worker.stage.embed.low.shape == (config.model.vocab_size, K0 + 4)
     moments = worker.optimizer.adamw.state[worker.stage.embed.low]
     assert moments["exp_avg"].shape == worker.stage.embed.low.shape
-    assert moments["exp_avg"][:, K0:].abs().max() == 0 and moments["exp_avg_sq"][:, K0:].min() >= 0
+    assert moments["exp_avg"][:, K0:].abs().max() == 0
+    variance = moments["exp_avg_sq"]  # a new coordinate starts at the mean of the old ones, per token
+    assert torch.equal(variance[:, K0:], variance[:, :K0].mean(1, keepdim=True).expand(-1, 4))
+    assert variance[:, :K0].abs().max() > 0
 
 
 @pytest.mark.parametrize(
@@ -158,15 +160,25 @@ def test_frames_of_the_version_before_a_growth_are_refused():
         receiver.forward(GROW_EVERY, 0, stale)
 
 
-def test_a_snapshot_after_growth_restores_into_a_stage_built_at_the_first_rank():
+def test_a_snapshot_after_growth_restores_into_stages_built_at_the_first_rank_and_trains_on():
+    """Snapshots of every stage after the first growth load into stages built at K0 and then train
+    bit for bit like the pipeline that never stopped, through the next growth."""
     config = growing_config()
     pipe = grown_pipeline(config, steps=GROW_EVERY + 1, dtype=torch.float64)
-    saved = pipe.workers[1]
-    state = checkpoint.from_bytes(checkpoint.to_bytes(checkpoint.capture(saved, GROW_EVERY)))
-    fixed, first = initial_artifacts(config)
-    fresh = StageWorker(config, 1, fixed, first, dtype=torch.float64)
-    assert fresh.stage.basis.shape[1] == K0
-    assert checkpoint.restore(fresh, state) == GROW_EVERY
-    assert torch.equal(fresh.stage.basis, saved.stage.basis) and fresh.version == saved.version
-    for (name, a), b in zip(fresh.stage.state_dict().items(), saved.stage.state_dict().values(), strict=True):
-        assert torch.equal(a, b), name
+    states = [
+        checkpoint.from_bytes(checkpoint.to_bytes(checkpoint.capture(w, GROW_EVERY))) for w in pipe.workers
+    ]
+    resumed = LocalPipeline(config, dtype=torch.float64)
+    assert resumed.workers[1].stage.basis.shape[1] == K0
+    for worker, state in zip(resumed.workers, states, strict=True):
+        assert checkpoint.restore(worker, state) == GROW_EVERY
+    resumed.version = pipe.version
+    for w, saved in zip(resumed.workers, pipe.workers, strict=True):
+        assert torch.equal(w.stage.basis, saved.stage.basis) and w.version == saved.version
+    for step in range(GROW_EVERY + 1, 3 * GROW_EVERY):  # the second growth takes effect at 2 * GROW_EVERY
+        batch = random_batch(config, seed=step)
+        assert resumed.train_step(step, batch).loss == pipe.train_step(step, batch).loss
+    for w, saved in zip(resumed.workers, pipe.workers, strict=True):
+        assert w.stage.basis.shape[1] == K_MAX
+        for a, b in zip(w.stage.parameters(), saved.stage.parameters(), strict=True):
+            assert torch.equal(a, b)

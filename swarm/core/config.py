@@ -147,6 +147,8 @@ class RotationConfig:
     def __post_init__(self) -> None:
         if self.interval < 0 or self.grow_by < 0 or self.max_rank < 0:
             raise ValueError("rotation.interval, grow_by and max_rank must be >= 0")
+        if self.max_rank and not self.grow_by:
+            raise ValueError("rotation.max_rank needs rotation.grow_by > 0 (else the rank never grows)")
         if self.grow_by and not self.interval:
             raise ValueError("rotation.grow_by > 0 needs rotation.interval > 0 (growth happens at rotations)")
 
@@ -362,6 +364,8 @@ class RunConfig:
             raise ValueError("compute emulation cannot run MAPL: its boundary projections are trained")
         if self.rotation.interval and self.model.constrained:
             raise ValueError("compute emulation has no weights to rotate: set rotation.interval = 0")
+        if self.replica_sync.mode == "outer":
+            raise ValueError("compute emulation has no weights for outer steps: set replica_sync.mode = step")
         if self.checkpoint.interval:
             raise ValueError("compute emulation has no weights to snapshot: set checkpoint.interval = 0")
 

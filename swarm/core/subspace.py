@@ -12,8 +12,8 @@
   basis (turned, or grown by some columns) and the optimizer step at which every stage
   switches to it.
 * :func:`rotate_stage` re-expresses a stage's constrained parameters (and their AdamW
-  state) in the new basis: ``W <- W P'``, ``C <- C U^T U'``; a grown basis extends them
-  with zero rows, which changes no output.
+  state) in the new basis: ``W <- W P'``, ``C <- C U^T U'``; a grown basis extends ``W'``
+  with zero rows and ``C`` with zero columns, which changes no output.
 """
 
 from __future__ import annotations

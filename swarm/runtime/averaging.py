@@ -169,6 +169,10 @@ class _Encoded(CompressionBase):
         return self.part_size_bytes / (itemsize * (self.part_values + 0.5))
 
 
+class _UndecodableAverage(ValueError):
+    """A reducer answered with bytes that are not an average in the round's format."""
+
+
 class _DecodingContainer(TensorPartContainer):
     """hivemind's container for a round in a :class:`SyncFormat`: reducers return averages (not
     deltas) as encoded bytes, decoded here; anything else is refused."""
@@ -179,9 +183,11 @@ class _DecodingContainer(TensorPartContainer):
 
     def register_processed_part(self, peer_index: int, part_index: int, part: torch.Tensor):
         local = self._input_parts_by_peer[peer_index][part_index][0]
-        super().register_processed_part(
-            peer_index, part_index, self.fmt.decode(part, local.numel()).view_as(local)
-        )
+        try:
+            average = self.fmt.decode(part, local.numel()).view_as(local)
+        except ValueError as e:
+            raise _UndecodableAverage(str(e)) from None
+        super().register_processed_part(peer_index, part_index, average)
 
     def register_failed_reducer(self, peer_index: int):
         # our own values in place of the lost average (the round fails, as hivemind counts them)
@@ -260,6 +266,9 @@ class _Runner(AllReduceRunner):
             # another member and will not return a partial average (see serve), not a silent one.
             cancelled = averaging_pb2.MessageCode.Name(averaging_pb2.CANCELLED)
             (self.aborted_by if str(e).endswith(f"sent {cancelled}") else self.failed).add(peer_id)
+            raise
+        except _UndecodableAverage:  # a reducer that lies about its average: an offence, not silence
+            self.poisoned.add(peer_id)
             raise
         except BaseException:
             self.failed.add(peer_id)
