@@ -52,6 +52,11 @@ class MaplBoundary(nn.Module):
         d = self.projection.shape[0]
         self.register_buffer("input_moment", self.projection.new_zeros(d, d, dtype=torch.float64))
 
+    def resize_input_moment(self, shape: torch.Size) -> None:
+        """Give the input moment ``shape``: d x d during the warm-up, empty once it has been used
+        (it is not needed after the switch, and is d*d*8 bytes in every snapshot)."""
+        self.input_moment = self.input_moment.new_zeros(shape)
+
     @torch.no_grad()
     def observe(self, x: torch.Tensor, tokens: torch.Tensor) -> None:
         """Add one microbatch's centred inputs ``X - offset`` (B x T x d) to the input moment."""

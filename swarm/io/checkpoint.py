@@ -114,6 +114,9 @@ def restore(worker: StageWorker, state: dict[str, Any], sampler: BatchSampler | 
             worker.statistic.reset()
     worker.stage.load_state_dict(state["model"])
     for side, boundary in worker.mapl.items():
+        moment = state["mapl"][side].get("input_moment")
+        if moment is not None:  # d x d during the PCA warm-up, empty after it
+            boundary.resize_input_moment(moment.shape)
         boundary.load_state_dict(state["mapl"][side])
     for opt, opt_state in zip(worker.optimizer.optimizers, state["optimizers"], strict=True):
         opt.load_state_dict(opt_state)

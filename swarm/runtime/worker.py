@@ -258,6 +258,7 @@ class StageWorker:
         """MAPL PCA initialisation, sender side: switch the outbound projection to the principal
         directions of the inputs seen during the warm-up; returns it packed for the receiver."""
         a = self.mapl["out"].principal_directions()
+        self.mapl["out"].resize_input_moment(torch.Size([0]))
         self.install_projection("out", a)
         return pack_projection(a)
 
