@@ -349,9 +349,9 @@ def test_a_round_in_a_format_refuses_parts_that_do_not_decode():
     assert isinstance(honest, RoundFailed) and liar in honest.poisoned, honest
 
 
-def test_outer_step_state_is_on_the_parameters_device_and_dtype():
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_outer_step_state_is_on_the_parameters_device_and_dtype(device):
     """The weights at the last sync and the momentum live with the parameters (CUDA where they are)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
     p = torch.nn.Parameter(torch.ones(5, device=device))
     outer = OuterStep([p], ReplicaSyncConfig(mode="outer", format="bf16", outer_momentum=0.5))
     assert outer.anchor[0].device == p.device and outer.momentum[0].dtype == p.dtype
