@@ -46,14 +46,19 @@ def stage_gradients(plan: AveragingPlan) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=gen) for p in worker.parameters() if p.requires_grad]
 
 
-async def _measure(n: int, grads: list[torch.Tensor], rounds: int) -> dict:
+async def loopback_peers(n: int) -> list[P2P]:
+    """``n`` P2P daemons on 127.0.0.1 that know each other (no NAT port mapping, no relays)."""
     first = await P2P.create(host_maddrs=LOOPBACK, nat_port_map=False, use_relay=False)
     maddrs = await first.get_visible_maddrs()
-    p2ps = [first]
-    for _ in range(n - 1):
-        p2ps.append(
-            await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs, nat_port_map=False, use_relay=False)
-        )
+    rest = [
+        await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs, nat_port_map=False, use_relay=False)
+        for _ in range(n - 1)
+    ]
+    return [first, *rest]
+
+
+async def _measure(n: int, grads: list[torch.Tensor], rounds: int) -> dict:
+    p2ps = await loopback_peers(n)
     try:
         members = [ReplicaAverager(p, "bench", sender_timeout=60.0, reducer_timeout=120.0) for p in p2ps]
         for m in members:

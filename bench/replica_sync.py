@@ -22,6 +22,7 @@ from hivemind.p2p import P2P
 from swarm.node.replica_averaging import ReplicaGroup, Sibling
 from swarm.node.schedule import StepCounts
 
+from bench.averaging import loopback_peers
 from swarm.core.config import (
     CheckpointConfig,
     DataConfig,
@@ -36,8 +37,22 @@ from swarm.ops.metrics import Metrics
 from swarm.runtime.averaging import ReplicaAverager
 from swarm.runtime.worker import StageWorker
 
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 Hook = Callable[[int, list[StageWorker]], None]
+
+
+async def connected_groups(
+    p2ps: Sequence[P2P], members: Sequence[ReplicaAverager], microbatches: Sequence[int], key: str
+) -> list[ReplicaGroup]:
+    """One :class:`ReplicaGroup` per started averager (replica ``i`` named ``node{i}``, holding
+    ``microbatches[i]`` of each step), connected to its siblings."""
+    addresses = [str((await p.get_visible_maddrs())[0]) for p in p2ps]
+    siblings = [Sibling(f"node{i}", addresses[i], n) for i, n in enumerate(microbatches)]
+    groups = [
+        ReplicaGroup(a, key, siblings, f"node{i}", lambda step: False, Metrics("node"))
+        for i, a in enumerate(members)
+    ]
+    await asyncio.gather(*(g.connect() for g in groups))
+    return groups
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,16 +63,6 @@ class ReplicaSyncPlan:
     formats: tuple[str, ...] = ("fp32", "bf16", "int8")
     link_mbps: float = 100.0
     tail: int = 10  # the loss at equal tokens: the mean over this many last steps
-
-
-async def _p2p_group(n: int) -> list[P2P]:
-    first = await P2P.create(host_maddrs=LOOPBACK, nat_port_map=False, use_relay=False)
-    maddrs = await first.get_visible_maddrs()
-    rest = [
-        await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs, nat_port_map=False, use_relay=False)
-        for _ in range(n - 1)
-    ]
-    return [first, *rest]
 
 
 def train_replicas(
@@ -88,18 +93,12 @@ def train_replicas(
         return counts
 
     async def scenario() -> list[ReplicaGroup]:
-        p2ps = await _p2p_group(len(workers))
+        p2ps = await loopback_peers(len(workers))
         try:
             members = [ReplicaAverager(p, "stage-0") for p in p2ps]
             for m in members:
                 await m.start()
-            addresses = [str((await p.get_visible_maddrs())[0]) for p in p2ps]
-            siblings = [Sibling(f"node{i}", addresses[i], len(mbs)) for i, mbs in enumerate(dealt)]
-            groups = [
-                ReplicaGroup(a, "bench/1/0", siblings, f"node{i}", lambda step: False, Metrics("node"))
-                for i, a in enumerate(members)
-            ]
-            await asyncio.gather(*(g.connect() for g in groups))
+            groups = await connected_groups(p2ps, members, [len(mbs) for mbs in dealt], "bench/1/0")
             for step in range(steps):
                 counts = await asyncio.gather(
                     *(one(g, w, m, step) for g, w, m in zip(groups, workers, dealt, strict=True))

@@ -12,24 +12,18 @@ import pytest
 import torch
 from hivemind.p2p import P2P
 
+from bench.averaging import loopback_peers
 from swarm.runtime.averaging import ReplicaAverager, Round, RoundFailed, shares
 from swarm.runtime.pipeline import LocalPipeline
 from tests.helpers import random_batch, tiny_config
 
-LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
-
 
 async def p2p_group(n: int) -> list[P2P]:
     """``n`` P2P daemons on loopback that know each other (no NAT port mapping, no relays)."""
-    first = await P2P.create(host_maddrs=LOOPBACK, nat_port_map=False, use_relay=False)
-    maddrs = await first.get_visible_maddrs()
-    rest = [
-        await P2P.create(host_maddrs=LOOPBACK, initial_peers=maddrs, nat_port_map=False, use_relay=False)
-        for _ in range(n - 1)
-    ]
-    for p2p in (first, *rest):  # nothing listens or announces beyond loopback
+    p2ps = await loopback_peers(n)
+    for p2p in p2ps:  # nothing listens or announces beyond loopback
         assert all(str(m).startswith("/ip4/127.0.0.1/") for m in await p2p.get_visible_maddrs())
-    return [first, *rest]
+    return p2ps
 
 
 async def averagers(p2ps: list[P2P], **options) -> list[ReplicaAverager]:

@@ -10,13 +10,12 @@ import dataclasses
 
 import pytest
 import torch
-from swarm.node.replica_averaging import ReplicaGroup, ReplicaPoisoned, Sibling
+from swarm.node.replica_averaging import ReplicaPoisoned
 from swarm.node.schedule import StepCounts
 
-from bench.replica_sync import train_replicas
+from bench.replica_sync import connected_groups, train_replicas
 from swarm.core.config import ReplicaSyncConfig, RotationConfig, RunConfig
 from swarm.core.subspace import initial_artifacts
-from swarm.ops.metrics import Metrics
 from swarm.runtime.averaging import Round, RoundFailed, shares
 from swarm.runtime.outer_step import OuterStep
 from swarm.runtime.sync_formats import BLOCK, FORMATS, sync_format
@@ -286,13 +285,7 @@ def test_a_poisoned_pseudo_gradient_is_refused_and_its_sender_named(attack: str)
         p2ps = await p2p_group(3)
         try:
             members = await averagers(p2ps, sender_timeout=2.0, reducer_timeout=4.0)
-            addresses = [str((await p.get_visible_maddrs())[0]) for p in p2ps]
-            siblings = [Sibling(f"node{i}", addresses[i], 1) for i in range(3)]
-            groups = [
-                ReplicaGroup(a, "run/1/0", siblings, f"node{i}", lambda step: False, Metrics("node"))
-                for i, a in enumerate(members)
-            ]
-            await asyncio.gather(*(g.connect() for g in groups))
+            groups = await connected_groups(p2ps, members, [1, 1, 1], "run/1/0")
 
             async def inner(i: int) -> None:
                 compute_step(workers[i], 0, [i])

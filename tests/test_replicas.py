@@ -12,13 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from swarm.node.replica_averaging import ReplicaGroup, Sibling
 from swarm.node.schedule import StepCounts
 
+from bench.replica_sync import connected_groups
 from swarm.core.config import ReplicaSyncConfig, RotationConfig, RunConfig, TrainConfig
 from swarm.core.subspace import initial_artifacts
 from swarm.io.data import BatchSampler, batch_ids, load_dataset
-from swarm.ops.metrics import Metrics
 from swarm.runtime.pipeline import LocalPipeline
 from swarm.runtime.replicas import Routes, deal
 from swarm.runtime.worker import StageWorker
@@ -246,13 +245,7 @@ def test_two_replicas_sum_to_one_replicas_step_on_the_global_batch(dtype, tolera
         p2ps = await p2p_group(2)
         try:
             group = await averagers(p2ps)
-            addresses = [str((await p.get_visible_maddrs())[0]) for p in p2ps]
-            siblings = [Sibling(f"node{i}", addresses[i], 2) for i in range(2)]
-            groups = [
-                ReplicaGroup(a, "run/1/0", siblings, f"node{i}", lambda step: False, Metrics("node"))
-                for i, a in enumerate(group)
-            ]
-            await asyncio.gather(*(g.connect() for g in groups))
+            groups = await connected_groups(p2ps, group, [2, 2], "run/1/0")
             counts = [
                 StepCounts(w.stats.tokens, w.stats.loss_sum, w.stats.loss_count, 100 * (i + 1), 7, i == 1)
                 for i, w in enumerate(replicas)
