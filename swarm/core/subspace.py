@@ -216,14 +216,7 @@ def rotate_stage(
         rows = _turn_rows(old.T @ new_basis)
     else:
         raise ValueError(f"a {old.shape[0]}x{k_new} basis neither turns nor grows the {k_old}-column one")
-    state = optimizer.state if optimizer is not None else {}
-    for module in stage.modules():
-        if isinstance(module, ResidualWrite) and module.rank:
-            _transform(module.weight, state, rows)
-            module.rank = k_new
-    if stage.embed is not None:
-        low = stage.embed.low
-        _transform(low, state, lambda m, sq=False: rows(m.T, sq).T)
+    _map_constrained(stage, rows, optimizer.state if optimizer is not None else {}, k_new)
     _replace(old, new_basis)
 
 
@@ -233,12 +226,7 @@ def resize_rank(stage: Stage, rank: int) -> None:
     so that a snapshot taken after the rank grew loads into a stage built at the run's first rank."""
     if stage.basis is None:
         raise ValueError("resize_rank needs a subspace-constrained stage")
-    for module in stage.modules():
-        if isinstance(module, ResidualWrite) and module.rank:
-            _replace(module.weight, module.weight.new_zeros(rank, module.weight.shape[1]))
-            module.rank = rank
-    if stage.embed is not None:
-        _replace(stage.embed.low, stage.embed.low.new_zeros(stage.embed.low.shape[0], rank))
+    _map_constrained(stage, lambda m, sq=False: m.new_zeros(rank, m.shape[1]), {}, rank)
     _replace(stage.basis, stage.basis.new_zeros(stage.basis.shape[0], rank))
 
 
@@ -256,6 +244,17 @@ def _grow_rows(extra: int):
         return torch.cat([m, new], dim=0)
 
     return rows
+
+
+def _map_constrained(stage: Stage, rows, state: dict, rank: int) -> None:
+    """Apply a map of coordinate rows to every constrained parameter of ``stage`` (``W'``: rows;
+    ``C``: columns) and its AdamW moments in ``state``; the writes then have ``rank`` rows."""
+    for module in stage.modules():
+        if isinstance(module, ResidualWrite) and module.rank:
+            _transform(module.weight, state, rows)
+            module.rank = rank
+    if stage.embed is not None:
+        _transform(stage.embed.low, state, lambda m, sq=False: rows(m.T, sq).T)
 
 
 def _transform(param: torch.nn.Parameter, state: dict, rows) -> None:
