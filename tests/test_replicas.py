@@ -130,6 +130,11 @@ def test_a_replicated_stage_trains_the_single_process_model(tmp_path, schedule):
 OUTER_SYNC = re.compile(r"stage (\d+) averaging: .*; (\d+) outer syncs, (\d+) bytes sent per sync")
 
 
+# Slow suite: its final loss against the per-step single-process run came out at 1.02x in some
+# runs and 0.58x in others (the outer Nesterov step can train faster than per-step averaging on this
+# 20-step run); until it compares with a deterministic outer-step reference it stays out of CI's
+# default suite, which covers outer steps through tests/test_outer_step.py.
+@pytest.mark.slow
 def test_replicas_taking_outer_steps_train_and_sync_in_int8(tmp_path):
     """The live swarm of the test above with ``replica_sync.mode = "outer"`` (no rotations: refused
     with outer steps): the two replicas of a stage step on their own microbatches and sync every 4
