@@ -24,6 +24,7 @@ from swarm.core.config import config_hash
 from swarm.net.channel import open_channel, server_options
 from swarm.net.frames import to_message
 from swarm.net.shaper import LinkProfile
+from swarm.net.tls import INSECURE, Security
 from swarm.ops.metrics import Metrics
 from swarm.runtime.pipeline import LocalPipeline
 from swarm.runtime.wire import ActivationFrame, GradientFrame
@@ -81,14 +82,14 @@ class Server:
 
 
 @contextlib.asynccontextmanager
-async def stage_server(attach: Attach) -> AsyncIterator[Server]:
+async def stage_server(attach: Attach, security: Security = INSECURE) -> AsyncIterator[Server]:
     """A ``StageService`` accepting boundary 0 for stage 1 on 127.0.0.1, on a free port."""
     metrics = Metrics("node")
     service = StageService(metrics)
     service.acceptor, service.node_id = Acceptor(attach), SERVER.node_id
     server = grpc.aio.server(options=server_options())
     stage_pb2_grpc.add_StageServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
+    port = security.add_port(server, "127.0.0.1:0")
     await server.start()
     try:
         yield Server(f"127.0.0.1:{port}", metrics, service)

@@ -20,6 +20,7 @@ back), so the run keeps its standbys; the summary reports what each kill cost.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import os
 import re
@@ -41,6 +42,7 @@ from tqdm import tqdm
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
 from swarm.coordinator.settings import CoordinatorSettings
 from swarm.launch.chaos import ChaosMonkey
+from swarm.net.relay import splice, split_address
 from swarm.net.tls import INSECURE, Security, cli_flags
 
 if TYPE_CHECKING:  # not imported at run time: the relay process starts without torch
@@ -386,23 +388,16 @@ def _result(
 
 async def relay(socket_path: str, target: str) -> None:
     """Forward every connection to the Unix socket ``socket_path`` to ``target`` (HOST:PORT)."""
-    host, _, port = target.rpartition(":")
-
-    async def pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            while data := await reader.read(1 << 16):
-                writer.write(data)
-                await writer.drain()
-        finally:
-            writer.close()
+    host, port = split_address(target)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            up_reader, up_writer = await asyncio.open_connection(host.strip("[]"), int(port))
+            upstream = await asyncio.open_connection(host, port)
         except OSError:
             writer.close()
             return
-        await asyncio.gather(pump(reader, up_writer), pump(up_reader, writer), return_exceptions=True)
+        with contextlib.suppress(ConnectionError, OSError):
+            await splice((reader, writer), upstream)
 
     Path(socket_path).unlink(missing_ok=True)
     server = await asyncio.start_unix_server(handle, socket_path)

@@ -1,0 +1,273 @@
+"""The relay (swarm.net.relay): pairing by key, exact splicing, limits and counters, and a boundary
+stream over mutual TLS through it that a tampering relay can break but not corrupt."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from swarm.node.links import LinkError, StageLink, dial
+
+from swarm.codecs.base import EncodedTensor
+from swarm.net import certs, relay
+from swarm.net.relay import (
+    GO,
+    HEADER_BYTES,
+    ROLE_ACCEPT,
+    ROLE_DIAL,
+    RelayAcceptor,
+    RelayForwarder,
+    RelayLimits,
+    RelayServer,
+    header,
+    ping,
+    rendezvous_key,
+)
+from swarm.net.tls import Security
+from swarm.ops.metrics import Metrics
+from swarm.runtime.wire import GradientFrame
+from tests.test_links import CLIENT, DOWN_PEER, SECRET, run, stage_server
+
+KEY = rendezvous_key(SECRET, 0, CLIENT.node_id, DOWN_PEER.node_id, 3)
+
+
+def sample(server: RelayServer, name: str, labels: dict[str, str] | None = None) -> float:
+    return server.metrics.registry.get_sample_value(name, labels or {}) or 0.0
+
+
+Stream = tuple[asyncio.StreamReader, asyncio.StreamWriter]
+
+
+async def connect(port: int, role: int, key: bytes = KEY) -> Stream:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(header(role, key))
+    await writer.drain()
+    return reader, writer
+
+
+def test_the_key_depends_on_secret_pair_and_epoch_and_a_header_is_fixed_size():
+    keys = {
+        rendezvous_key(SECRET, 0, "up", "down", 3),
+        rendezvous_key("other secret", 0, "up", "down", 3),
+        rendezvous_key(SECRET, 1, "up", "down", 3),
+        rendezvous_key(SECRET, 0, "up", "down2", 3),
+        rendezvous_key(SECRET, 0, "up", "down", 4),
+    }
+    assert len(keys) == 5 and all(len(k) == 32 for k in keys)
+    assert len(header(ROLE_DIAL, KEY)) == HEADER_BYTES
+    with pytest.raises(ValueError, match="32 bytes"):
+        header(ROLE_DIAL, b"short")
+
+
+def test_a_dialler_and_a_parked_acceptor_of_one_key_are_spliced_exactly_both_ways():
+    """5 MB each way through the relay, unchanged; the pair and its bytes are counted."""
+    up, down = os.urandom(5 << 20), os.urandom(5 << 20)
+
+    async def scenario() -> tuple[bytes, bytes, RelayServer]:
+        async with RelayServer() as server:
+            port = await server.start()
+            a_reader, a_writer = await connect(port, ROLE_ACCEPT)
+            d_reader, d_writer = await connect(port, ROLE_DIAL)
+            assert await a_reader.readexactly(1) == GO
+
+            async def send(writer: asyncio.StreamWriter, data: bytes) -> None:
+                writer.write(data)
+                await writer.drain()
+                writer.write_eof()
+
+            _, _, got_down, got_up = await asyncio.gather(
+                send(d_writer, up), send(a_writer, down), d_reader.read(), a_reader.read()
+            )
+            for w in (a_writer, d_writer):
+                w.close()
+            await asyncio.sleep(0.1)
+            return got_up, got_down, server
+
+    got_up, got_down, server = run(scenario())
+    assert got_up == up and got_down == down
+    assert sample(server, "swarm_relay_links_total") == 1
+    assert sample(server, "swarm_relay_bytes_total") == len(up) + len(down)
+    assert sample(server, "swarm_relay_active_links") == 0 and server.parked == 0
+
+
+def test_ping_tells_a_live_relay_from_a_closed_port():
+    async def scenario() -> tuple[bool, bool]:
+        async with RelayServer() as server:
+            port = await server.start()
+            alive = await ping(f"127.0.0.1:{port}")
+        return alive, await ping(f"127.0.0.1:{port}", timeout=1)
+
+    assert run(scenario()) == (True, False)
+
+
+def test_bad_headers_unpaired_diallers_and_a_full_parking_are_refused_and_counted():
+    limits = RelayLimits(parked_per_key=1, pair_s=0.3, header_s=0.3)
+
+    async def scenario() -> tuple[RelayServer, list[bytes]]:
+        async with RelayServer(limits) as server:
+            port = await server.start()
+            answers = []
+            for role, key in ((ROLE_DIAL, os.urandom(32)), (ROLE_ACCEPT, KEY), (ROLE_ACCEPT, KEY)):
+                reader, writer = await connect(port, role, key)
+                if role == ROLE_DIAL or len(answers) == 2:
+                    answers.append(await asyncio.wait_for(reader.read(), 5))  # closed: nothing, EOF
+                else:
+                    answers.append(b"parked")
+            for junk in (b"GET / HTTP/1.1\r\n\r\n" + bytes(40), b"SWR"):
+                reader, writer = await asyncio.open_connection("127.0.0.1", port)
+                writer.write(junk)
+                answers.append(await asyncio.wait_for(reader.read(), 5))
+            return server, answers
+
+    server, answers = run(scenario())
+    assert answers == [b"", b"parked", b"", b"", b""]
+    for reason, count in (("unpaired", 1), ("full", 1), ("bad_header", 2)):
+        assert sample(server, "swarm_relay_refused_total", {"reason": reason}) == count, reason
+
+
+def test_a_link_is_held_to_the_relays_rate():
+    """1 MB at 4 Mbit/s needs 2 s through the relay (a lower bound: the limiter's job)."""
+    limits = RelayLimits(link_mbps=4.0)
+
+    async def scenario() -> float:
+        async with RelayServer(limits) as server:
+            port = await server.start()
+            a_reader, a_writer = await connect(port, ROLE_ACCEPT)
+            _, d_writer = await connect(port, ROLE_DIAL)
+            await a_reader.readexactly(1)
+            loop = asyncio.get_running_loop()
+            start = loop.time()
+            d_writer.write(bytes(1 << 20))
+            await a_reader.readexactly(1 << 20)
+            elapsed = loop.time() - start
+            for w in (a_writer, d_writer):
+                w.close()
+            return elapsed
+
+    assert run(scenario()) >= 1.8
+
+
+# -- a boundary stream through the relay ------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("pki")
+    certs.init(root)
+    for name in ("node-up", "node-down"):
+        certs.issue_node(root, name)
+    return root
+
+
+def mutual(pki: Path, name: str) -> Security:
+    return Security.from_files(pki / "ca.pem", pki / f"{name}.pem", pki / f"{name}.key", mutual=True)
+
+
+def frame(step: int) -> GradientFrame:
+    payload = torch.randn(2500, generator=torch.Generator().manual_seed(step)).numpy().tobytes()
+    return GradientFrame(step, 0, 0, EncodedTensor("fp32", 2500, 1, payload))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def relayed_stream(
+    pki: Path, frames: int, relay_port: int, relay_after_s: float = 0.0
+) -> tuple[list, list[Exception]]:
+    """Stage 0 (dialler) sends ``frames`` gradient frames to stage 1 (accepting) over mutual TLS
+    through a relay on ``relay_port`` (started ``relay_after_s`` after both ends are up); what
+    stage 1 received, and the failures either end saw."""
+    received: list = []
+    failures: list[Exception] = []
+    attached = asyncio.Event()
+
+    async def attach(boundary: int, link: StageLink) -> None:
+        attached.set()
+        await link.pump(received.append, failures.append)
+
+    address = f"127.0.0.1:{relay_port}"
+    async with contextlib.AsyncExitStack() as stack:
+        server = await stack.enter_async_context(stage_server(attach, mutual(pki, "node-down")))
+        acceptor = RelayAcceptor(address, KEY, server.address)
+        acceptor.start()
+        stack.push_async_callback(acceptor.close)
+        forwarder = RelayForwarder(address, KEY)
+        stack.push_async_callback(forwarder.close)
+        local = await forwarder.start()
+        if relay_after_s:
+            await asyncio.sleep(relay_after_s)
+        relay_server = await stack.enter_async_context(RelayServer())
+        await relay_server.start(port=relay_port)
+        link, channel = await dial(
+            local, CLIENT, 0, 0, DOWN_PEER, Metrics("node"), timeout=20, security=mutual(pki, "node-up")
+        )
+        stack.push_async_callback(channel.close)
+        reader = asyncio.create_task(link.pump(lambda item: None, failures.append))
+        stack.callback(reader.cancel)
+        await asyncio.wait_for(attached.wait(), 10)
+        try:
+            for step in range(frames):
+                await link.send(frame(step))
+            await link.close(flush_s=10)
+        except LinkError as e:
+            failures.append(e)
+        for _ in range(100):
+            if len(received) == frames or failures:
+                break
+            await asyncio.sleep(0.1)
+    return received, failures
+
+
+def test_a_boundary_stream_over_mutual_tls_runs_through_the_relay(pki: Path):
+    """The acceptor parks before the relay is up (it retries), then 40 frames pass unchanged."""
+    received, failures = run(relayed_stream(pki, 40, free_port(), relay_after_s=0.5), timeout=60)
+    assert {str(e) for e in failures} <= {"boundary 0: the peer closed the stream"}  # after the last
+    assert [f.step for f in received] == list(range(40))
+    assert all(f.payload.data == frame(f.step).payload.data for f in received)
+
+
+class Tampered:
+    """A reader that alters the stream once, past the first ``after`` bytes: ``how`` is flip (one
+    bit of one byte), drop (one chunk) or replay (one chunk twice)."""
+
+    done = False
+
+    def __init__(self, reader: asyncio.StreamReader, how: str, after: int = 20_000):
+        self.reader, self.how, self.after, self.seen = reader, how, after, 0
+
+    async def read(self, n: int) -> bytes:
+        data = await self.reader.read(n)
+        self.seen += len(data)
+        if Tampered.done or self.seen < self.after or len(data) < 64:
+            return data
+        Tampered.done = True
+        if self.how == "flip":
+            return data[:32] + bytes([data[32] ^ 0x10]) + data[33:]
+        if self.how == "drop":
+            return await self.reader.read(n)
+        return data + data
+
+
+@pytest.mark.parametrize("how", ["flip", "drop", "replay"])
+def test_a_relay_that_alters_bytes_breaks_the_stream_but_delivers_nothing_corrupt(
+    pki: Path, how: str, monkeypatch
+):
+    """TLS runs end to end through the relay: whatever it does to the bytes, the receiver either
+    gets the frames exactly as sent or a broken stream (then the step fails and the epoch retries)."""
+    honest: Callable = relay.pipe
+    Tampered.done = False
+    monkeypatch.setattr(relay, "pipe", lambda reader, *a, **k: honest(Tampered(reader, how), *a, **k))
+    received, failures = run(relayed_stream(pki, 40, free_port()), timeout=60)
+    assert Tampered.done and failures, (len(received), failures)
+    assert len(received) < 40
+    assert all(f.payload.data == frame(f.step).payload.data for f in received)
+    assert [f.step for f in received] == list(range(len(received)))
