@@ -20,7 +20,7 @@ it: the standby takes over that host's stages and the host moves to the free one
 fit. :func:`place` also routes around links of the current owners that cannot connect,
 releasing one end and placing again, as long as no stage is left free by it; what is still
 unconnectable afterwards :func:`unconnectable` lists (the coordinator logs it and ``Status``
-shows it: without a relay such a link cannot open).
+shows it; with a relay such a link runs through it).
 
 Dial plan. For each boundary ``b`` (stages ``b`` and ``b + 1``) and each pair of an
 upstream and a downstream replica on two different nodes, exactly one side opens the
@@ -30,8 +30,12 @@ upstream and a downstream replica on two different nodes, exactly one side opens
   DIALs it and the downstream node ACCEPTs;
 * else, if the upstream node has one, the downstream node DIALs it and the upstream
   node ACCEPTs;
-* else neither can reach the other and both get ``LINK_ROLE_UNSPECIFIED``: such a
-  boundary would need a relay, which is not implemented.
+* else neither can reach the other: if ``relay_of(up, down)`` names a relay both dial it, the
+  upstream node as the DIAL end and the downstream one as the ACCEPT end (``relay_address``);
+  without one both get ``LINK_ROLE_UNSPECIFIED`` and the link cannot open.
+
+A pair that is reachable but was seen failing (:class:`Reach`) is relayed the same way when
+``relay_of`` names a relay for it.
 
 The fallback is what lets a node with no open inbound port (empty announce address)
 host a stage: it dials both of its neighbours, as long as they are reachable. A
@@ -282,12 +286,15 @@ def stages_of(owners: Owners, node_id: str) -> list[int]:
 
 
 def links_for(
-    node_id: str, owners: Owners, addresses: Mapping[str, str]
+    node_id: str,
+    owners: Owners,
+    addresses: Mapping[str, str],
+    relay_of: Callable[[str, str], str] = lambda up, down: "",
 ) -> list[coordinator_pb2.BoundaryLink]:
     """The dial plan of ``node_id``: one link per boundary and other (or no) node across it.
 
     ``addresses`` maps node ids to the addresses they accept streams at (absent or empty: the
-    node only dials).
+    node only dials); ``relay_of(up, down)`` the relay a pair's link runs through ("" for none).
     """
     links = []
     for b in range(len(owners) - 1):
@@ -298,7 +305,13 @@ def links_for(
                     continue
                 local, peer = (b, down) if node_id == up else (b + 1, up)
                 link = coordinator_pb2.BoundaryLink(boundary=b, local_stage=local, peer_node_id=peer)
-                if up and down:
+                relay = relay_of(up, down) if up and down else ""
+                if relay:
+                    link.relay_address = relay
+                    link.role = (
+                        coordinator_pb2.LINK_ROLE_DIAL if node_id == up else coordinator_pb2.LINK_ROLE_ACCEPT
+                    )
+                elif up and down:
                     dialer, listener = (up, down) if addresses.get(down) else (down, up)
                     if addresses.get(listener) and node_id == dialer:
                         link.role, link.peer_address = coordinator_pb2.LINK_ROLE_DIAL, addresses[listener]

@@ -2,10 +2,11 @@
 
 Once it serves, the command prints exactly one line on stdout::
 
-    coordinator listening on HOST:PORT metrics=PORT run=RUN_ID
+    coordinator listening on HOST:PORT metrics=PORT run=RUN_ID [relay=PORT]
 
 (``metrics=-1`` when ``--metrics-port -1`` disables the HTTP endpoint, which serves
-``/metrics``, ``/healthz`` and the run as JSON at ``/status``) and runs until SIGINT or
+``/metrics``, ``/healthz`` and the run as JSON at ``/status``; ``relay=`` with ``--relay-port``)
+and runs until SIGINT or
 SIGTERM, then stops the gRPC server with a grace period, shuts the DHT
 down, closes the state file and exits 0. Everything else goes to stderr.
 """
@@ -22,10 +23,12 @@ import sys
 import time
 import tomllib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import uvloop
+from prometheus_client import CollectorRegistry
+from swarm.coordinator.relays import Relay
 from swarm.coordinator.service import CoordinatorServer, CoordinatorService, host_port
 from swarm.coordinator.settings import CoordinatorSettings
 from swarm.coordinator.state import CoordinatorState
@@ -34,8 +37,10 @@ from swarm.coordinator.tokens import JoinTokens
 from swarm.core.config import RunConfig
 from swarm.launch.argv import command_line
 from swarm.net import join_token, tls
+from swarm.net.netaddr import is_wildcard
+from swarm.net.relay import RelayLimits, RelayMetrics, RelayServer
 from swarm.ops import logs
-from swarm.ops.metrics import Metrics
+from swarm.ops.metrics import Metrics, MetricsServer
 from swarm.ops.status import status_document
 
 log = logging.getLogger("swarm.coordinator")
@@ -90,8 +95,35 @@ def build_parser() -> argparse.ArgumentParser:
         help="seconds the dial-back of a joining node's announced address may take; unanswered, the "
         "node is placed as dial-only (0: no dial-back, announced addresses are trusted)",
     )
+    serve.add_argument(
+        "--relay-port",
+        type=int,
+        help="also run a relay on --host at this port (0: a free one) for links neither of whose nodes "
+        "accepts; nodes dial it at the coordinator's host",
+    )
+    serve.add_argument(
+        "--relay",
+        action="append",
+        default=[],
+        metavar="HOST:PORT",
+        help="a `swarm-coordinator relay` to plan such links through (repeatable)",
+    )
+    add_relay_limits(serve)
     serve.add_argument("--log-format", choices=logs.FORMATS, default="text", help="text lines or JSON lines")
     tls.add_arguments(serve)
+    relay = sub.add_parser(
+        "relay",
+        help="run a relay for boundary links between nodes that cannot accept streams (behind NAT)",
+        description="Splices the two nodes' connections; their TLS runs end to end through it, so it "
+        "cannot read or alter frames. Give its address to the coordinator with --relay. Prints "
+        "`relay listening on HOST:PORT metrics=PORT` once it serves.",
+    )
+    relay.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    relay.add_argument("--port", type=int, default=0, help="port (0: a free one)")
+    relay.add_argument(
+        "--metrics-port", type=int, default=-1, help="HTTP port of /metrics (0: free, -1: off)"
+    )
+    add_relay_limits(relay)
     export = sub.add_parser(
         "export",
         help="write the run's trained model (latest complete checkpoint cut) as a model folder",
@@ -115,6 +147,45 @@ def build_parser() -> argparse.ArgumentParser:
     revoke = actions.add_parser("revoke", parents=[state], help="revoke a token")
     revoke.add_argument("id", help="the token's id (or a unique prefix of it)")
     return parser
+
+
+def add_relay_limits(parser: argparse.ArgumentParser) -> None:
+    """The flags that bound what a relay serves."""
+    parser.add_argument(
+        "--relay-max-links", type=int, default=RelayLimits.links, help="connections a relay splices at once"
+    )
+    parser.add_argument(
+        "--relay-link-mbps",
+        type=float,
+        default=RelayLimits.link_mbps,
+        help="Mbit/s per relayed connection and direction (0: unlimited)",
+    )
+
+
+def relay_limits(args: argparse.Namespace) -> RelayLimits:
+    return RelayLimits(links=args.relay_max_links, link_mbps=args.relay_link_mbps)
+
+
+async def run_relay(host: str, port: int, limits: RelayLimits, metrics_port: int) -> None:
+    """``swarm-coordinator relay``: serve a relay until SIGINT/SIGTERM."""
+    registry = CollectorRegistry()
+    http = MetricsServer(registry, host, metrics_port) if metrics_port != -1 else None
+    async with RelayServer(limits, RelayMetrics(registry)) as relay:
+        bound = await relay.start(host, port)
+        stop = _stop_on_signals()
+        print(f"relay listening on {host_port(host, bound)} metrics={http.port if http else -1}", flush=True)
+        await stop.wait()
+    if http is not None:
+        http.close()
+
+
+def _stop_on_signals() -> asyncio.Event:
+    """An event SIGINT and SIGTERM set."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
 
 
 def serve_command(
@@ -159,6 +230,8 @@ class Endpoints:
     dht: str | None = "local"  # None (no discovery DHT), "local" (no NAT port mapping) or "public"
     dht_listen: str | None = None  # None: a free TCP port on host
     dht_announce: tuple[str, ...] = ()
+    relay_port: int | None = None  # a relay in this process on host (0: a free port); None: none
+    relay_limits: RelayLimits = field(default_factory=RelayLimits)
 
 
 async def serve(service: CoordinatorService, where: Endpoints) -> None:
@@ -178,6 +251,13 @@ async def serve(service: CoordinatorService, where: Endpoints) -> None:
     server = CoordinatorServer(service, where.host, where.port)
     await server.start()
     log.info("gRPC over %s", service.security)
+    relay = None
+    if where.relay_port is not None:
+        relay = RelayServer(where.relay_limits, RelayMetrics(service.metrics.registry))
+        port = await relay.start(where.host, where.relay_port)
+        local = "127.0.0.1" if is_wildcard(where.host) else where.host
+        await service.add_relay(Relay(f":{port}", host_port(local, port)))
+        log.info("relay on port %d (nodes dial it at the host they reach this coordinator at)", port)
     http = None
     if where.metrics_port != -1:
         loop = asyncio.get_running_loop()
@@ -189,17 +269,18 @@ async def serve(service: CoordinatorService, where: Endpoints) -> None:
             return status_document(asyncio.run_coroutine_threadsafe(reply(), loop).result(STATUS_TIMEOUT_S))
 
         http = service.metrics.serve(where.metrics_port, where.metrics_host or where.host, status)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    stop = _stop_on_signals()
     metrics_port = http.port if http is not None else -1
+    relaying = f" relay={relay.port}" if relay is not None else ""
     print(
-        f"coordinator listening on {server.address} metrics={metrics_port} run={service.run_id}", flush=True
+        f"coordinator listening on {server.address} metrics={metrics_port} run={service.run_id}{relaying}",
+        flush=True,
     )
     await stop.wait()
     log.info("stopping")
     await server.stop(STOP_GRACE_S)
+    if relay is not None:
+        await relay.close()
     if http is not None:
         http.close()
     if dht_node is not None:
@@ -256,6 +337,14 @@ def main(argv: list[str] | None = None) -> int:
         return export(args.state, args.out)
     if args.command == "token":
         return manage_tokens(args)
+    if args.command == "relay":
+        logs.setup("text", logging.INFO)
+        try:
+            uvloop.run(run_relay(args.host, args.port, relay_limits(args), args.metrics_port))
+        except OSError as e:
+            print(f"swarm-coordinator relay: {e}", file=sys.stderr)
+            return 1
+        return 0
     logs.setup(args.log_format, logging.INFO)
     try:
         config = load_config(args.config)
@@ -272,6 +361,8 @@ def main(argv: list[str] | None = None) -> int:
         dht=None if args.no_dht else "public" if args.public_dht else "local",
         dht_listen=args.dht_listen,
         dht_announce=tuple(args.dht_announce),
+        relay_port=args.relay_port,
+        relay_limits=relay_limits(args),
     )
     try:
         service = CoordinatorService(
@@ -281,7 +372,9 @@ def main(argv: list[str] | None = None) -> int:
             None,
             Metrics("coordinator"),
             [],
-            CoordinatorSettings(dead_after_s=args.dead_after, reach_timeout_s=args.reach_timeout),
+            CoordinatorSettings(
+                dead_after_s=args.dead_after, reach_timeout_s=args.reach_timeout, relays=tuple(args.relay)
+            ),
             security=security,
         )
         uvloop.run(serve(service, where))

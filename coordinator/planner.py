@@ -5,7 +5,9 @@ stages: free stages go to standbys (join order), then, when the run allows repli
 standbys that can average become replicas of the weakest stages; every link is kept connectable
 where some placement can (:func:`~swarm.coordinator.assignment.place`), and what cannot is in
 :attr:`Planner.problems` (logged, and shown by ``Status``). A link that fails in two consecutive
-epochs between two live nodes is placed around the same way (:meth:`Planner.link_failed`). When
+epochs between two live nodes is placed around the same way (:meth:`Planner.link_failed`). A link
+that no placement lets open directly runs through a relay when one answers (:mod:`.relays`), and the
+free stages only such links could serve are then given to the standbys too. When
 the owners change a new plan epoch starts (:meth:`Planner.new_epoch`, also started when a node
 reports a broken boundary or a replica averages at a new address). Nothing here awaits: the
 handlers share one event loop, so the in-memory plan needs no lock. Once the run is complete,
@@ -17,9 +19,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from swarm.coordinator.assignment import Owners, Reach, add_replicas, links_for, place, unconnectable
+from swarm.coordinator.assignment import (
+    EVERYONE,
+    Owners,
+    Reach,
+    add_replicas,
+    links_for,
+    place,
+    unconnectable,
+)
 from swarm.coordinator.ledger import Ledger
 from swarm.coordinator.progress import Progress
+from swarm.coordinator.relays import RelayPool
 from swarm.coordinator.roster import Roster
 from swarm.coordinator.state import NodeRecord
 
@@ -40,9 +51,11 @@ class Planner:
         ledger: Ledger,
         progress: Progress,
         ended: Callable[[str], None],
+        relays: RelayPool | None = None,
     ):
         self.config, self.roster, self.ledger, self.progress = config, roster, ledger, progress
         self.ended = ended
+        self.relays = relays if relays is not None else RelayPool()
         self._failed: dict[frozenset[str], int] = {}  # a pair of nodes -> the last epoch their link failed
         self.problems: list[str] = self._problems(roster.owners())
         self._deal()
@@ -59,6 +72,8 @@ class Planner:
         if not self.progress.run_complete:
             reach = self.roster.reach()
             owners = place(self.roster.owners(), self.roster.members(), reach)
+            if self.relays.alive:  # free stages no direct link could serve: relayed links serve them
+                owners = place(owners, self.roster.members(), EVERYONE)
             if self.config.train.replicas > 1:
                 owners = self._add_replicas(owners, reach)
             self.roster.host(owners)
@@ -87,6 +102,16 @@ class Planner:
         before = self.ledger.plan_epoch
         self.replan(self.roster.owners())
         return self.ledger.plan_epoch != before
+
+    def relays_changed(self) -> None:
+        """The relays that answer changed: place again, and start a new epoch if a planned link runs
+        (or could now run) through a relay."""
+        before, epoch = self.roster.owners(), self.ledger.plan_epoch
+        self.replan(before)
+        owners = self.roster.owners()
+        relayed = unconnectable(owners, self.roster.reach())
+        if relayed and self.ledger.plan_epoch == epoch and not self.progress.run_complete:
+            self.new_epoch("the relays that answer changed")
 
     def new_epoch(self, reason: str) -> None:
         """Start a plan epoch with the current owners (microbatches dealt anew)."""
@@ -137,6 +162,9 @@ class Planner:
             name = nodes[node_id].name
             return f"{name} ({node_id[:8]})" if name else node_id[:8]
 
+        if self.relays.alive:
+            return []  # what no direct link can serve, a relayed one does (relayed_links)
+        missing = "no relay answers" if self.relays.relays else "no relay: give the coordinator --relay-port"
         problems = [
             f"boundary {b}: {who(up)} and {who(down)} "
             + (
@@ -144,7 +172,7 @@ class Planner:
                 if frozenset((up, down)) in reach.broken
                 else "are both dial-only"
             )
-            + " and no placement avoids them: this link cannot open (no relay yet)"
+            + f" and no placement avoids them: this link cannot open ({missing})"
             for b, up, down in unconnectable(owners, reach)
         ]
         standbys = [who(n) for n, _ in self.roster.standbys()]
@@ -155,6 +183,16 @@ class Planner:
                 "their neighbours (dial-only next to dial-only); a node with an open port is needed"
             )
         return problems
+
+    def relayed_links(self) -> list[str]:
+        """The planned links that run through a relay, one line each (shown by ``Status``)."""
+        nodes, reach = self.roster.nodes, self.roster.reach()
+        return [
+            f"boundary {b}: {nodes[up].name or up[:8]} -> {nodes[down].name or down[:8]} "
+            f"through relay {self.relays.choose(up, down)}"
+            for b, up, down in unconnectable(self.roster.owners(), reach)
+            if self.relays.choose(up, down)
+        ]
 
     def _show_problems(self, problems: list[str]) -> None:
         """Log what changed in the plan's problems."""
@@ -184,7 +222,12 @@ class Planner:
 
     def _links(self, node_id: str) -> list[coordinator_pb2.BoundaryLink]:
         """``node_id``'s dial plan, each boundary with its secret for this epoch (``link_secret``)."""
-        links = links_for(node_id, self.roster.owners(), self.roster.addresses())
+        reach = self.roster.reach()
+
+        def relay_of(up: str, down: str) -> str:
+            return "" if reach.connectable(up, down) else self.relays.choose(up, down)
+
+        links = links_for(node_id, self.roster.owners(), self.roster.addresses(), relay_of)
         for link in links:
             if link.peer_node_id:
                 b = link.boundary

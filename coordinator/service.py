@@ -47,6 +47,7 @@ from swarm.coordinator.judge import Judge
 from swarm.coordinator.ledger import Ledger
 from swarm.coordinator.planner import Planner
 from swarm.coordinator.progress import Progress
+from swarm.coordinator.relays import Relay, RelayPool
 from swarm.coordinator.roster import Roster
 from swarm.coordinator.rotation_hub import RotationHub
 from swarm.coordinator.sessions import Sessions
@@ -112,7 +113,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.rotation = RotationHub(config, basis, self.state, metrics)
         self.roster = Roster(config.n_stages, self.state, metrics, settings)
         self.progress = Progress(config, self.state, metrics, self.roster, self.ledger, self.rotation)
-        self.planner = Planner(config, self.roster, self.ledger, self.progress, self.rotation.end_stream_of)
+        self.relays = RelayPool([Relay(a, a) for a in settings.relays])
+        self.planner = Planner(
+            config, self.roster, self.ledger, self.progress, self.rotation.end_stream_of, self.relays
+        )
         tokens = JoinTokens(self.state.db)
         admit_operator_token(tokens, token, state_file)
         key_path = state_file.with_name(state_file.name + ".session-key")
@@ -120,6 +124,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.gate = Gate(tokens, sessions, self.roster, self.ledger, metrics, security, self.planner.evict)
         self.judge = Judge(self.roster.party_of, self.planner.evict, metrics)
         self.reaper: asyncio.Task[None] | None = None
+        self.relay_prober: asyncio.Task[None] | None = None
         self.roster.show_alive()
 
     @property
@@ -129,8 +134,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
     # -- lifecycle ----------------------------------------------------------------------------
 
     def start(self) -> None:
-        """Start declaring silent nodes dead (needs a running event loop)."""
-        self.reaper = asyncio.get_running_loop().create_task(self._reap_forever())
+        """Start declaring silent nodes dead and pinging the relays (needs a running event loop)."""
+        loop = asyncio.get_running_loop()
+        self.reaper = loop.create_task(self._reap_forever())
+        if self.relays.relays:
+            self.relay_prober = loop.create_task(self.relays.probe_forever(self.planner.relays_changed))
+
+    async def add_relay(self, relay: Relay) -> None:
+        """Plan links through ``relay`` too (pinged now, then with the others; after :meth:`start`)."""
+        self.relays.add(relay)
+        if await self.relays.probe():
+            self.planner.relays_changed()
+        if self.relay_prober is None:
+            self.relay_prober = asyncio.create_task(self.relays.probe_forever(self.planner.relays_changed))
 
     def end_streams(self) -> None:
         """Finish every WatchRotations stream (before the server's grace period starts)."""
@@ -140,10 +156,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """Stop the reaper, let a model export in progress finish, close the state file."""
         self.end_streams()
         await self.artifacts.close()
-        if self.reaper is not None:
-            self.reaper.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self.reaper
+        for task in (self.reaper, self.relay_prober):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
         self.state.close()
 
     async def _reap_forever(self) -> None:
@@ -161,6 +178,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """The run, its nodes, the completed steps >= ``since_step`` and the plan's problems."""
         reply = self.progress.status(self.config_hash, since_step)
         reply.plan_problems.extend(self.planner.problems)
+        reply.relayed_links.extend(self.planner.relayed_links())
         return reply
 
     # -- membership ---------------------------------------------------------------------------
@@ -259,6 +277,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.judge.accusation(self.roster.nodes[request.node_id], peer, request.reason)
             return
         answered = peer is None or not peer.reachable or await self.roster.answers(peer, self.security)
+        if self.relays.relays and await self.relays.probe():  # a relayed link breaks when its relay dies
+            self.planner.relays_changed()
         # Re-check after the probe: the epoch may have moved on meanwhile.
         if self.progress.run_complete or request.plan_epoch != self.ledger.plan_epoch:
             return

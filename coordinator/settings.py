@@ -21,7 +21,9 @@ class CoordinatorSettings:
     failure report is dead; ``reach_timeout_s``: how long the Ping that checks a joining node's
     announced address may take (unanswered: the node is placed as dial-only; 0: no check, every
     announced address is taken on trust); ``max_snapshot_bytes``: the largest stage snapshot accepted;
-    ``export_wait_s``: how long a stopping coordinator waits for the final model to be written.
+    ``export_wait_s``: how long a stopping coordinator waits for the final model to be written;
+    ``relays``: relays (``HOST:PORT`` of ``swarm-coordinator relay`` processes) that links neither of
+    whose ends accepts run through.
     """
 
     dead_after_s: float = 15.0
@@ -32,3 +34,4 @@ class CoordinatorSettings:
     reach_timeout_s: float = 4.0
     max_snapshot_bytes: int = 16 << 30
     export_wait_s: float = 120.0
+    relays: tuple[str, ...] = ()

@@ -58,7 +58,7 @@ from swarm.net.discovery import (
 )
 from swarm.net.frames import PROTOCOL_VERSION
 from swarm.net.health import Health
-from swarm.net.netaddr import join_host_port, split_host_port, visible_host
+from swarm.net.netaddr import is_wildcard, join_host_port, split_host_port, visible_host
 from swarm.ops.logs import say, set_context
 from swarm.ops.metrics import Metrics, MetricsServer
 from swarm.runtime.averaging import ReplicaAverager
@@ -246,7 +246,8 @@ class NodeDaemon:
                 link = unreachable[0]
                 raise LinkError(
                     f"boundary {link.boundary}: neither this node nor {link.peer_node_id[:8]} accepts "
-                    "inbound connections; give one a reachable --listen/--announce address (no relays yet)"
+                    "inbound connections and the coordinator has no relay for them; give one a reachable "
+                    "--listen/--announce address, or the coordinator --relay-port"
                 )
             hosted = list(plan.stages)
             set_context(stages=",".join(map(str, hosted)))
@@ -404,19 +405,28 @@ class NodeDaemon:
     # -- joining ----------------------------------------------------------------------------
 
     async def _start_server(self) -> str:
-        """Serve the Stage service from the start (so its address is known at Join); "" if dial-only."""
-        if not self.settings.listen:
+        """Serve the Stage service from the start (so its address is known at Join); "" if dial-only.
+
+        A dial-only node serves it on loopback only, for the streams a relay brings it (none when
+        under TLS it has no certificate to serve with: it can then only be a relayed link's DIAL end).
+        """
+        security = self.settings.security
+        if not self.settings.listen and security.tls and security.cert is None:
             return ""
         self.server = grpc.aio.server(options=server_options(self.settings.timeouts.keepalive))
         self.service = StageService(self.metrics, self.settings.link)
         stage_pb2_grpc.add_StageServicer_to_server(self.service, self.server)
         self.health = Health(self.server, [self.stage_service_name])
-        host, port = split_host_port(self.settings.listen)
-        bound = self.settings.security.add_port(self.server, join_host_port(host, port))
+        host, port = split_host_port(self.settings.listen) if self.settings.listen else ("127.0.0.1", 0)
+        bound = security.add_port(self.server, join_host_port(host, port))
         if bound == 0:
             raise RuntimeError(f"cannot listen on {self.settings.listen}")
         await self.server.start()
         await self.health.serving()
+        local_host = "127.0.0.1" if is_wildcard(host) else host
+        self.service.local_address = join_host_port(local_host, bound)
+        if not self.settings.listen:
+            return ""
         if self.settings.announce:
             return self.settings.announce
         return join_host_port(visible_host(host, self.coordinator_host), bound)

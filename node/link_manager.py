@@ -3,7 +3,11 @@
 For every boundary the plan shares with another node, the plan says which side dials
 (see :mod:`swarm.coordinator.assignment`). Dialled peers' addresses come from the plan (the
 coordinator is the authority on who hosts what); only a peer the plan holds no address
-for is looked up in the DHT, under the node id the plan names. Accepted streams come in
+for is looked up in the DHT, under the node id the plan names. A link the plan routes through a
+relay (``relay_address``: neither end can accept the other) keeps its roles: the DIAL end dials a
+loopback :class:`~swarm.net.relay.RelayForwarder` that carries the connection to the relay, the
+ACCEPT end parks connections there (:class:`~swarm.net.relay.RelayAcceptor`) that the relay
+splices to the dialler and this node connects to its own Stage server. Accepted streams come in
 through the node's :class:`~swarm.node.stage_service.StageService`, for which this manager is
 the current :class:`~swarm.node.stage_service.Acceptor` while its epoch lasts. Every Hello
 carries the epoch, so streams of different epochs never pair up.
@@ -34,6 +38,8 @@ from swarm.node.stage_service import StageService
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
 from swarm._proto.swarm.v1 import stage_pb2
 from swarm.net.discovery import find_stage
+from swarm.net.netaddr import join_host_port, split_host_port
+from swarm.net.relay import RelayAcceptor, RelayForwarder, rendezvous_key
 from swarm.ops.logs import say
 from swarm.ops.metrics import Metrics
 
@@ -85,6 +91,7 @@ class LinkManager:
         self._links: list[StageLink] = []
         self._tasks: list[asyncio.Task] = []
         self._channels: list[grpc.aio.Channel] = []
+        self._relayed: list[RelayAcceptor | RelayForwarder] = []
 
     # -- Acceptor -------------------------------------------------------------------------------
 
@@ -136,13 +143,29 @@ class LinkManager:
                 self._ready[key] = loop.create_future()
         if self._ready:
             if self.service is None:
-                raise LinkError("the plan has this node accept streams, but it has no --listen address")
+                raise LinkError(
+                    "the plan has this node accept streams, but it serves none: under TLS a dial-only "
+                    "node needs its certificate and key (--tls-cert/--tls-key) to accept through a relay"
+                )
             self.service.acceptor = self
+        for key in self._ready:
+            link = self.plan_links[key]
+            if link.relay_address:
+                acceptor = RelayAcceptor(
+                    self._relay(link), self._rendezvous(link), self.service.local_address
+                )
+                acceptor.start()
+                self._relayed.append(acceptor)
         for (b, _), link in self.plan_links.items():
             if link.role != cpb.LINK_ROLE_DIAL:
                 continue
             peer = planned_peer(link)
-            address = await self._peer_address(run_id, peer.stage, link)
+            if link.relay_address:
+                forwarder = RelayForwarder(self._relay(link), self._rendezvous(link))
+                self._relayed.append(forwarder)
+                address = await forwarder.start()
+            else:
+                address = await self._peer_address(run_id, peer.stage, link)
             stage_link, channel = await dial(
                 address,
                 self.identity,
@@ -158,7 +181,8 @@ class LinkManager:
             self._channels.append(channel)
             self._install(link, stage_link)
             pinned = f" (certificate {link.peer_certificate})" if link.peer_certificate else ""
-            say(f"boundary {b}: dialled stage {peer.stage} at {address}{pinned}")
+            where = f"through relay {self._relay(link)}" if link.relay_address else f"at {address}"
+            say(f"boundary {b}: dialled stage {peer.stage} {where}{pinned}")
         for (b, peer_id), future in self._ready.items():
             try:
                 await asyncio.wait_for(asyncio.shield(future), timeout=timeout)
@@ -166,7 +190,20 @@ class LinkManager:
                 raise LinkError(
                     f"boundary {b}: the neighbour {peer_id[:8]} did not dial in within {timeout:.0f}s", b
                 ) from None
-            say(f"boundary {b}: accepted stream from stage {planned_peer(self.plan_links[b, peer_id]).stage}")
+            link = self.plan_links[b, peer_id]
+            relayed = f" through relay {self._relay(link)}" if link.relay_address else ""
+            say(f"boundary {b}: accepted stream from stage {planned_peer(link).stage}{relayed}")
+
+    def _relay(self, link: cpb.BoundaryLink) -> str:
+        """The relay address of ``link``; an empty host is the coordinator's (its in-process relay)."""
+        host, port = split_host_port(link.relay_address)
+        return join_host_port(host or split_host_port(self.settings.coordinator)[0], port)
+
+    def _rendezvous(self, link: cpb.BoundaryLink) -> bytes:
+        """The key both ends of the relayed ``link`` present at the relay."""
+        me, peer = self.identity.node_id, link.peer_node_id
+        up, down = (me, peer) if link.local_stage == link.boundary else (peer, me)
+        return rendezvous_key(link.link_secret, link.boundary, up, down, self.identity.plan_epoch)
 
     async def _peer_address(self, run_id: str, peer_stage: int, link: cpb.BoundaryLink) -> str:
         """The peer's Stage address: the coordinator's (the authority on who hosts what); the DHT
@@ -192,3 +229,5 @@ class LinkManager:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         for channel in self._channels:
             await channel.close()
+        for end in self._relayed:
+            await end.close()

@@ -77,6 +77,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.metrics, self.profile = metrics, profile
         self.acceptor: Acceptor | None = None
         self.node_id = ""
+        self.local_address = ""  # host:port this node reaches its own server at (where a relay's streams go)
         self.pending: collections.Counter[str] = collections.Counter()  # host -> streams before Hello
 
     async def Exchange(self, request_iterator, context: grpc.aio.ServicerContext):

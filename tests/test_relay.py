@@ -6,7 +6,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
+import re
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,8 +16,11 @@ import pytest
 import torch
 from swarm.node.links import LinkError, StageLink, dial
 
+from swarm._proto.swarm.v1 import coordinator_pb2
+from swarm._proto.swarm.v1.coordinator_pb2_grpc import CoordinatorStub
 from swarm.codecs.base import EncodedTensor
-from swarm.net import certs, relay
+from swarm.core.config import RunConfig
+from swarm.net import certs, relay, tls
 from swarm.net.relay import (
     GO,
     HEADER_BYTES,
@@ -32,7 +37,9 @@ from swarm.net.relay import (
 from swarm.net.tls import Security
 from swarm.ops.metrics import Metrics
 from swarm.runtime.wire import GradientFrame
+from tests.procs import Proc, coordinator, free_port, node, processes, status, tiny_run, wait_status
 from tests.test_links import CLIENT, DOWN_PEER, SECRET, run, stage_server
+from tests.test_swarm import reference_run
 
 KEY = rendezvous_key(SECRET, 0, CLIENT.node_id, DOWN_PEER.node_id, 3)
 
@@ -174,12 +181,6 @@ def frame(step: int) -> GradientFrame:
     return GradientFrame(step, 0, 0, EncodedTensor("fp32", 2500, 1, payload))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 async def relayed_stream(
     pki: Path, frames: int, relay_port: int, relay_after_s: float = 0.0
 ) -> tuple[list, list[Exception]]:
@@ -271,3 +272,88 @@ def test_a_relay_that_alters_bytes_breaks_the_stream_but_delivers_nothing_corrup
     assert len(received) < 40
     assert all(f.payload.data == frame(f.step).payload.data for f in received)
     assert [f.step for f in received] == list(range(len(received)))
+
+
+# -- swarms whose only link runs through a relay ----------------------------------------------------
+
+STEPS, INTERVAL = 30, 5
+LINK = ("--link-latency-ms", "15")  # slows each step, so a kill lands mid-run
+
+
+def relayed_run(folder: Path) -> tuple[RunConfig, list[float]]:
+    config = tiny_run(folder, STEPS, n_stages=2, checkpoint_interval=INTERVAL)
+    return config, reference_run(config, folder / "cache")[0]
+
+
+def dial_only_nodes(
+    running: list[Proc], folder: Path, address: str, flags: Callable[[str], list[str]] = lambda name: []
+) -> list[Proc]:
+    """Two nodes that accept no inbound stream (``--listen ''``): stage 0 and stage 1."""
+    return [node(running, folder, n, address, "--listen", "", *LINK, *flags(n)) for n in ("a", "b")]
+
+
+def assert_reproduces(final: coordinator_pb2.StatusReply, reference: list[float]) -> None:
+    assert final.run_complete and [s.step for s in final.steps] == list(range(STEPS))
+    rel = [abs(s.loss - r) / abs(r) for s, r in zip(final.steps, reference, strict=True)]
+    assert max(rel) < 1e-4, rel
+
+
+@pytest.mark.timeout(300)
+def test_two_dial_only_nodes_train_through_the_coordinators_relay_over_mutual_tls(tmp_path: Path):
+    """Neither node can accept: the coordinator's relay carries their link (TLS end to end), the run
+    reproduces the single-process losses, and Status shows the link as relayed."""
+    config, reference = relayed_run(tmp_path)
+    pki = tmp_path / "pki"
+    certs.init(pki)
+    for name in ("a", "b"):
+        certs.issue_node(pki, name)
+    with processes() as running:
+        flags = (*tls.cli_flags(pki, "coordinator"), "--relay-port", "0")
+        address = coordinator(running, tmp_path, config, *flags, port=free_port())
+        relay_port = re.search(r"relay=(\d+)", running[0].stdout()).group(1)
+        nodes = dial_only_nodes(running, tmp_path, address, lambda name: tls.cli_flags(pki, name))
+        client = Security.from_files(pki / "ca.pem", pki / "a.pem", pki / "a.key", mutual=True)
+        relayed = set()
+        with client.channel(address) as channel:
+            stub = CoordinatorStub(channel)
+            deadline = time.monotonic() + 150
+            while any(n.p.poll() is None for n in nodes) and time.monotonic() < deadline:
+                relayed.update(stub.Status(coordinator_pb2.StatusRequest(), timeout=5).relayed_links)
+                time.sleep(0.2)
+            for n in nodes:
+                assert n.wait(5) == 0, n.output()
+            final = stub.Status(coordinator_pb2.StatusRequest(), timeout=5)
+    assert_reproduces(final, reference)
+    assert final.epochs_restarted == 0 and not final.plan_problems
+    assert relayed == {f"boundary 0: a -> b through relay :{relay_port}"}
+    host = address.rpartition(":")[0]
+    relay_at = f"through relay {host}:{relay_port}"
+    assert f"boundary 0: dialled stage 1 {relay_at} (certificate b)" in nodes[0].stdout()
+    assert f"accepted stream from stage 0 {relay_at}" in nodes[1].stdout()
+
+
+@pytest.mark.timeout(300)
+def test_a_killed_relay_moves_the_link_to_another_and_the_run_reproduces_its_losses(tmp_path: Path):
+    """Two ``swarm-coordinator relay`` processes; the one carrying the link is killed mid-run: the
+    link comes back through the other and the run completes with the undisturbed losses."""
+    config, reference = relayed_run(tmp_path)
+    with processes() as running:
+        relays = []
+        for name in ("r1", "r2"):
+            args = [sys.executable, "-m", "swarm.coordinator.cli", "relay", "--port", str(free_port())]
+            running.append(Proc(args, tmp_path / f"{name}.err"))
+            relays.append(running[-1].wait_for(r"relay listening on (\S+)", 60).group(1))
+        flags = [arg for r in relays for arg in ("--relay", r)]
+        address = coordinator(running, tmp_path, config, *flags)
+        nodes = dial_only_nodes(running, tmp_path, address)
+        mid = wait_status(address, lambda r: r.step >= INTERVAL + 2 and r.relayed_links, "mid-run", 180)
+        (line,) = mid.relayed_links
+        used = line.rpartition(" ")[2]
+        running[relays.index(used)].p.kill()
+        for n in nodes:
+            assert n.wait(150) == 0, n.output()
+        final = status(address)
+    assert_reproduces(final, reference)
+    assert final.epochs_restarted >= 1
+    (other,) = set(relays) - {used}
+    assert f"boundary 0: dialled stage 1 through relay {other}" in nodes[0].stdout()  # after the kill

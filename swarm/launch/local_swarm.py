@@ -42,7 +42,8 @@ from tqdm import tqdm
 from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
 from swarm.coordinator.settings import CoordinatorSettings
 from swarm.launch.chaos import ChaosMonkey
-from swarm.net.relay import splice, split_address
+from swarm.net.netaddr import split_host_port
+from swarm.net.relay import splice
 from swarm.net.tls import INSECURE, Security, cli_flags
 
 if TYPE_CHECKING:  # not imported at run time: the relay process starts without torch
@@ -388,7 +389,7 @@ def _result(
 
 async def relay(socket_path: str, target: str) -> None:
     """Forward every connection to the Unix socket ``socket_path`` to ``target`` (HOST:PORT)."""
-    host, port = split_address(target)
+    host, port = split_host_port(target)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:

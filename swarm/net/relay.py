@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
+from swarm.net.netaddr import split_host_port
+
 log = logging.getLogger(__name__)
 
 MAGIC = b"SWRL"
@@ -61,14 +63,6 @@ def header(role: int, key: bytes = bytes(KEY_BYTES)) -> bytes:
     if len(key) != KEY_BYTES:
         raise ValueError(f"a relay key is {KEY_BYTES} bytes, not {len(key)}")
     return MAGIC + bytes((VERSION, role)) + key
-
-
-def split_address(address: str) -> tuple[str, int]:
-    """``host:port`` (IPv6 in brackets) -> (host, port); ValueError if it has no port."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not port.isdigit():
-        raise ValueError(f"relay address {address!r} is not HOST:PORT")
-    return host.strip("[]"), int(port)
 
 
 async def pipe(
@@ -302,7 +296,7 @@ class RelayServer:
 async def ping(address: str, timeout: float = PROBE_TIMEOUT_S) -> bool:
     """Whether a relay answers at ``address`` within ``timeout``."""
     try:
-        host, port = split_address(address)
+        host, port = split_host_port(address)
         reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), timeout)
     except (OSError, TimeoutError, ValueError):
         return False
@@ -333,7 +327,7 @@ class RelayForwarder:
         task = asyncio.current_task()
         self._tasks.add(task)
         try:
-            host, port = split_address(self.relay)
+            host, port = split_host_port(self.relay)
             relay_reader, relay_writer = await asyncio.open_connection(host, port)
         except (OSError, ValueError) as e:
             log.warning("relay %s: cannot connect: %s", self.relay, e)
@@ -388,14 +382,14 @@ class RelayAcceptor:
     async def _park_one(self) -> bool:
         """Park one connection and, once a dialler claims it, splice it to the target (in the
         background); whether it was claimed."""
-        host, port = split_address(self.relay)
+        host, port = split_host_port(self.relay)
         reader, writer = await asyncio.open_connection(host, port)
         writer.write(header(ROLE_ACCEPT, self.key))
         await writer.drain()
         if await reader.read(1) != GO:  # the relay dropped it (expired, full, closing)
             writer.close()
             return False
-        local_host, local_port = split_address(self.target)
+        local_host, local_port = split_host_port(self.target)
         try:
             local = await asyncio.open_connection(local_host, local_port)
         except OSError:

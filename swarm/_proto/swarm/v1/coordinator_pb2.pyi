@@ -53,7 +53,7 @@ class JoinRequest(_message.Message):
     def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., node_name: _Optional[str] = ..., announce_address: _Optional[str] = ..., max_stages: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
 
 class BoundaryLink(_message.Message):
-    __slots__ = ("boundary", "local_stage", "peer_node_id", "peer_address", "role", "link_secret", "peer_certificate")
+    __slots__ = ("boundary", "local_stage", "peer_node_id", "peer_address", "role", "link_secret", "peer_certificate", "relay_address")
     BOUNDARY_FIELD_NUMBER: _ClassVar[int]
     LOCAL_STAGE_FIELD_NUMBER: _ClassVar[int]
     PEER_NODE_ID_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,7 @@ class BoundaryLink(_message.Message):
     ROLE_FIELD_NUMBER: _ClassVar[int]
     LINK_SECRET_FIELD_NUMBER: _ClassVar[int]
     PEER_CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     boundary: int
     local_stage: int
     peer_node_id: str
@@ -68,7 +69,8 @@ class BoundaryLink(_message.Message):
     role: LinkRole
     link_secret: str
     peer_certificate: str
-    def __init__(self, boundary: _Optional[int] = ..., local_stage: _Optional[int] = ..., peer_node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ..., link_secret: _Optional[str] = ..., peer_certificate: _Optional[str] = ...) -> None: ...
+    relay_address: str
+    def __init__(self, boundary: _Optional[int] = ..., local_stage: _Optional[int] = ..., peer_node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ..., link_secret: _Optional[str] = ..., peer_certificate: _Optional[str] = ..., relay_address: _Optional[str] = ...) -> None: ...
 
 class StageCheckpoint(_message.Message):
     __slots__ = ("stage", "step", "digest", "size")
@@ -425,7 +427,7 @@ class NodeStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_name: _Optional[str] = ..., address: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., last_heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., device: _Optional[str] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., left: _Optional[bool] = ..., last_stages: _Optional[_Iterable[int]] = ..., reachable: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps", "plan_epoch", "resume_step", "latest_cut", "run_complete", "epochs_restarted", "rates", "plan_problems")
+    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps", "plan_epoch", "resume_step", "latest_cut", "run_complete", "epochs_restarted", "rates", "plan_problems", "relayed_links")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +442,7 @@ class StatusReply(_message.Message):
     EPOCHS_RESTARTED_FIELD_NUMBER: _ClassVar[int]
     RATES_FIELD_NUMBER: _ClassVar[int]
     PLAN_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
+    RELAYED_LINKS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     subspace_version: int
@@ -454,7 +457,8 @@ class StatusReply(_message.Message):
     epochs_restarted: int
     rates: RunRates
     plan_problems: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., latest_cut: _Optional[int] = ..., run_complete: _Optional[bool] = ..., epochs_restarted: _Optional[int] = ..., rates: _Optional[_Union[RunRates, _Mapping]] = ..., plan_problems: _Optional[_Iterable[str]] = ...) -> None: ...
+    relayed_links: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., latest_cut: _Optional[int] = ..., run_complete: _Optional[bool] = ..., epochs_restarted: _Optional[int] = ..., rates: _Optional[_Union[RunRates, _Mapping]] = ..., plan_problems: _Optional[_Iterable[str]] = ..., relayed_links: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunRates(_message.Message):
     __slots__ = ("steps", "loss", "tokens_per_second", "bytes_per_token", "compression_ratio")
