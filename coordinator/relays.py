@@ -60,8 +60,8 @@ class RelayPool:
         return changed
 
     async def probe_forever(self, changed: Callable[[], None], interval: float = PROBE_INTERVAL_S) -> None:
-        """Probe every ``interval`` seconds; call ``changed`` when the answering set changes."""
+        """Probe now and every ``interval`` seconds; call ``changed`` when the answering set changes."""
         while True:
-            await asyncio.sleep(interval)
             if await self.probe():
                 changed()
+            await asyncio.sleep(interval)

@@ -26,6 +26,7 @@ from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
 from swarm._proto.swarm.v1 import coordinator_pb2_grpc, stage_pb2_grpc
 from swarm.net.credentials import session_metadata
 from swarm.net.frames import PROTOCOL_VERSION
+from swarm.net.relay import RelayServer
 from swarm.ops.metrics import Metrics
 from swarm.ops.status import render, status_document
 from tests.helpers import tiny_config
@@ -310,3 +311,57 @@ def test_reachability_is_kept_in_the_state_and_read_from_one_written_before_it(t
     state.upsert_node(NodeRecord("c", "c", "127.0.0.1:7003", "cpu", 1, [], True, reachable=False))
     assert [(n.id, n.reachable) for n in state.nodes()] == [("a", True), ("b", False), ("c", False)]
     state.close()
+
+
+def test_a_pair_that_cannot_be_placed_apart_runs_through_a_relay(tmp_path: Path):
+    """Two reachable nodes, two stages, no standby: their link fails in two consecutive epochs and no
+    placement avoids it, so the plan routes it through the relay that answers (a DIALs, b ACCEPTs),
+    and Status lists it instead of a plan problem."""
+
+    async def scenario() -> tuple[list[cpb.BoundaryLink], list[cpb.BoundaryLink], cpb.StatusReply, str]:
+        async with RelayServer() as relay, contextlib.AsyncExitStack() as stack:
+            relay_address = f"127.0.0.1:{await relay.start()}"
+            settings = CoordinatorSettings(relays=(relay_address,))
+            service = CoordinatorService(
+                tiny_config(n_stages=2),
+                TOKEN,
+                tmp_path / "state.sqlite",
+                None,
+                Metrics("coordinator"),
+                [],
+                settings,
+            )
+            server = await stack.enter_async_context(CoordinatorServer(service))
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+            stack.push_async_callback(channel.close)
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            joined = {}
+            for name in "ab":
+                address = await stack.enter_async_context(StageServer())
+                joined[name] = await stub.Join(join_request(name, address), timeout=10)
+            while not service.relays.alive:
+                await asyncio.sleep(0.05)
+            a, b = joined["a"], joined["b"]
+            assert [
+                link.relay_address for link in service.planner.plan_for(service.roster.nodes[a.node_id]).links
+            ] == [""]
+            for _ in range(2):
+                report = cpb.FailureReport(
+                    node_id=a.node_id,
+                    plan_epoch=service.ledger.plan_epoch,
+                    reason="boundary 0: broke",
+                    peer_node_id=b.node_id,
+                )
+                await stub.ReportFailure(report, timeout=10, metadata=session_metadata(a.node_id, a.session))
+            plans = [service.planner.plan_for(service.roster.nodes[n.node_id]).links for n in (a, b)]
+            return plans[0], plans[1], service.status(), relay_address
+
+    up, down, status, relay_address = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert [(link.role, link.relay_address, link.peer_address) for link in up] == [
+        (cpb.LINK_ROLE_DIAL, relay_address, "")
+    ]
+    assert [(link.role, link.relay_address) for link in down] == [(cpb.LINK_ROLE_ACCEPT, relay_address)]
+    assert up[0].link_secret == down[0].link_secret
+    assert not status.plan_problems
+    assert list(status.relayed_links) == [f"boundary 0: a -> b through relay {relay_address}"]
+    assert f"relayed: boundary 0: a -> b through relay {relay_address}" in render(status, "here")

@@ -70,6 +70,7 @@ def status_document(reply: cpb.StatusReply) -> dict:
         "epochs_restarted": reply.epochs_restarted,
         "subspace_version": reply.subspace_version,
         "plan_problems": list(reply.plan_problems),
+        "relayed_links": list(reply.relayed_links),
         "rates": {
             "steps": r.steps,
             "loss": r.loss if r.HasField("loss") else None,
@@ -114,6 +115,7 @@ def render(reply: cpb.StatusReply, coordinator: str) -> str:
         f"  subspace v{doc['subspace_version']}  latest cut {cut}  "
         f"epochs restarted {doc['epochs_restarted']}",
         *(f"  plan problem: {problem}" for problem in doc["plan_problems"]),
+        *(f"  relayed: {link}" for link in doc["relayed_links"]),
         "",
     ]
     header = ("node", "name", "state", "phase", "stages", "inbound", "step", "tok/s", "heartbeat", "subspace")
