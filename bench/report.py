@@ -129,6 +129,7 @@ def markdown(r: dict) -> str:
         *_replica_sync_section(r),
         *quality_report.section(r),
         *_precision_section(r),
+        *_relay_section(r),
         f"Section times (s): {', '.join(f'{k} {v:.0f}' for k, v in r['seconds'].items())}.",
     ]
     return "\n".join(out) + "\n"
@@ -205,6 +206,37 @@ def _peer_section(r: dict) -> list[str]:
                 ("subspace / peer", "subspace bf16 / peer", ".2f"),
             ],
         ),
+        "",
+    ]
+
+
+def _relay_section(r: dict) -> list[str]:
+    if "relay" not in r:
+        return []
+    rows, cpu = r["relay"]["swarm"], r["relay"]["cpu"]
+    plan = r["plan"]["relay"]
+    return [
+        "## Relays: a link between two dial-only nodes",
+        f"The same 2-stage swarm ({plan['model']['d_model']}-wide model, {plan['train']['steps']} steps) "
+        "twice: stage 1 accepting the stream directly, then both nodes dial-only so the link runs "
+        "through the coordinator's relay (`swarm up --dial-only 2 --relay`). The link is shaped in "
+        "the nodes' transport; the relay is on loopback (no separate relay host here), so the ratio "
+        "is the relay's own overhead. Steady-state tokens/s.",
+        "",
+        _table(
+            rows,
+            [
+                ("link", "link", ""),
+                ("path", "path", ""),
+                ("tokens/s", "tokens_per_s", ".0f"),
+                ("vs direct", "ratio_to_direct", ".2f"),
+                ("same losses as direct", "losses_equal_direct", ""),
+            ],
+        ),
+        "",
+        f"The relay process carried {cpu['megabytes']} MB through one spliced pair on loopback at "
+        f"{cpu['megabytes_per_s']:.0f} MB/s, using {cpu['relay_cpu_seconds_per_gb']:.2f} CPU seconds "
+        "per GB relayed (user + system). A relayed byte also crosses the relay host's link twice.",
         "",
     ]
 

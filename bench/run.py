@@ -30,6 +30,7 @@ from bench import (
     peer,
     precision,
     quality,
+    relay,
     replica_sync,
     replicas,
     report,
@@ -68,6 +69,7 @@ class BenchPlan:
     replica_sync: replica_sync.ReplicaSyncPlan | None = None
     quality: quality.QualityPlan | None = None
     precision: precision.PrecisionPlan | None = None
+    relay: relay.RelayPlan | None = None
 
 
 def plan(quick: bool) -> BenchPlan:
@@ -129,6 +131,9 @@ def plan(quick: bool) -> BenchPlan:
             ),
             precision=precision.PrecisionPlan(
                 tiny, TrainConfig(batch_size=4, seq_len=32, microbatches=2), stage_counts=(1, 2), steps=2
+            ),
+            relay=relay.RelayPlan(
+                tiny, TrainConfig(steps=6, batch_size=4, seq_len=32, microbatches=2), megabytes=64
             ),
         )
     small = MODEL_PRESETS["small"]
@@ -214,6 +219,7 @@ def plan(quick: bool) -> BenchPlan:
             timing_train=TrainConfig(steps=6, batch_size=8, seq_len=128, microbatches=2),
         ),
         precision=_precision_plan(),
+        relay=relay.RelayPlan(small, TrainConfig(steps=12, batch_size=8, seq_len=128, microbatches=2)),
     )
 
 
@@ -300,6 +306,8 @@ def sections(p: BenchPlan, quick: bool, cache: Path | None = None) -> dict[str, 
         out["quality"] = lambda: _quality(p.quality, cache)
     if p.precision is not None:
         out["precision"] = lambda: precision.run(p.precision)
+    if p.relay is not None:
+        out["relay"] = lambda: relay.run(p.relay)
     return out
 
 

@@ -198,6 +198,7 @@ def serve_command(
     dead_after: float | None = None,
     use_dht: bool = True,
     security: Sequence[str] = (),
+    relay_port: int | None = None,
 ) -> list[str]:
     """A ``swarm-coordinator serve`` command line: the arguments after ``python -m swarm.coordinator.cli``
     (what :func:`main` takes). ``None`` leaves a flag at its default; ``security``: transport flags
@@ -210,6 +211,7 @@ def serve_command(
         "--state": state,
         "--metrics-port": metrics_port,
         "--dead-after": dead_after,
+        "--relay-port": relay_port,
     }
     return command_line("serve", options, use_dht, security)
 

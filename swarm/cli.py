@@ -125,6 +125,8 @@ def cmd_up(args: argparse.Namespace) -> int:
             chaos_seed=args.seed or 0,
             metrics_base_port=args.metrics_base_port,
             tls=args.tls,
+            dial_only=args.dial_only,
+            relay=args.relay,
         )
     except KeyboardInterrupt:
         print("\nstopped: every coordinator and node process was terminated")
@@ -297,6 +299,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run-dir", default="runs/up", help="folder for logs, caches and coordinator state")
     p.add_argument("--no-dht", action="store_true", help="skip hivemind discovery")
     p.add_argument("--standbys", type=int, default=0, help="extra nodes waiting to replace a lost one")
+    p.add_argument(
+        "--dial-only",
+        type=int,
+        default=0,
+        metavar="N",
+        help="the first N nodes accept no inbound stream (--listen '', as behind NAT)",
+    )
+    p.add_argument(
+        "--relay", action="store_true", help="the coordinator relays links between two dial-only nodes"
+    )
     p.add_argument(
         "--chaos",
         type=float,

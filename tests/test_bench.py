@@ -80,6 +80,12 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     assert shape == [(1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")]
     assert all(r["tokens_per_s"] > 0 and r["model_tflops_per_s"] > 0 for r in rows)
     assert "## Mixed precision" in report
+    direct, relayed = results["relay"]["swarm"]  # one swarm twice: direct, then through the relay
+    assert (direct["path"], relayed["path"]) == ("direct", "through the coordinator's relay")
+    assert relayed["losses_equal_direct"] and relayed["steps"] == 6 and relayed["ratio_to_direct"] > 0
+    cpu = results["relay"]["cpu"]
+    assert cpu["megabytes"] == 64 and cpu["megabytes_per_s"] > 0 and cpu["relay_cpu_seconds"] > 0
+    assert "## Relays" in report
     if available()[0]:  # the recipe on emulated hosts, subspace next to dense
         dense, subspace = results["multihost"]
         assert dense["steps"] == subspace["steps"] == 8

@@ -179,6 +179,8 @@ def up(
     chaos_seed: int = 0,
     metrics_base_port: int | None = None,
     tls: bool = False,
+    dial_only: int = 0,
+    relay: bool = False,
 ) -> SwarmSummary:
     """Run ``config`` on a local swarm; returns when every node has finished (or raises).
 
@@ -191,7 +193,9 @@ def up(
     ``metrics_base_port``: the coordinator serves ``/metrics`` and ``/status`` on it, node ``i``
     ``/metrics`` on the next ports (printed); None: no metrics endpoints. ``tls``: a fresh CA
     in ``run_dir/certs`` and mutual TLS on every channel; otherwise clear text (``--insecure``
-    where an address is not loopback).
+    where an address is not loopback). ``dial_only``: the first that many nodes accept no inbound
+    stream (``--listen ''``, as behind NAT); ``relay``: the coordinator runs a relay for the links
+    between such nodes (``--relay-port``).
     """
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -203,12 +207,22 @@ def up(
     security, flags = _transport_security(run, tls, coordinator_host, node_host is not None)
     launch = _Launch(run, ProcessGroup(), {"SWARM_TOKEN": token}, flags, use_dht, metrics_base_port)
     try:
-        address = _start_coordinator(launch, config, coordinator_prefix or [], coordinator_host, dead_after)
+        address = _start_coordinator(
+            launch, config, coordinator_prefix or [], coordinator_host, dead_after, relay
+        )
         status_address = address
         if coordinator_prefix:
             status_address = _start_relay(launch, coordinator_prefix, status_socket, address)
         swarm = _Nodes(
-            launch, address, stages_per_node, device, link_mbps, link_latency_ms, launch_prefix, node_host
+            launch,
+            address,
+            stages_per_node,
+            device,
+            link_mbps,
+            link_latency_ms,
+            launch_prefix,
+            node_host,
+            dial_only=dial_only,
         )
         for _ in range(nodes + standbys):
             swarm.start()
@@ -260,6 +274,7 @@ def _start_coordinator(
     prefix: list[str],
     host: str | None,
     dead_after: float,
+    relay: bool = False,
 ) -> str:
     """Serve ``config`` from a fresh state file behind ``prefix``; the gRPC address once it listens."""
     from swarm.coordinator.cli import serve_command  # not at import: the relay process has no torch
@@ -276,6 +291,7 @@ def _start_coordinator(
         dead_after=dead_after,
         use_dht=launch.use_dht,
         security=launch.flags("coordinator"),
+        relay_port=0 if relay else None,
     )
     proc, lines = launch.start("coordinator", [*prefix, *_python_m("swarm.coordinator.cli"), *args], True)
     return wait_for_line(lines, LISTENING, proc, 60).group(1)
@@ -300,6 +316,7 @@ class _Nodes:
     link_latency_ms: float
     prefix: Callable[[int], list[str]] | None = None
     host: Callable[[int], str] | None = None
+    dial_only: int = 0  # the first that many nodes accept no inbound stream
     procs: list[subprocess.Popen] = field(default_factory=list)
     killed: set[int] = field(default_factory=set)
 
@@ -310,7 +327,7 @@ class _Nodes:
         i = len(self.procs)
         args = join_command(
             self.coordinator,
-            listen=f"{self.host(i)}:0" if self.host else None,
+            listen="" if i < self.dial_only else f"{self.host(i)}:0" if self.host else None,
             stages=self.stages,
             data_dir=self.launch.run / f"node{i}",
             device=self.device,

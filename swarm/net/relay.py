@@ -249,7 +249,7 @@ class RelayServer:
             self._unpark(key, parked)
         if not parked.claim.done():
             parked.claim.cancel()
-            if not hangup.done() or hangup.cancelled():
+            if hangup.cancelled():  # still parked when park_s ran out (not hung up)
                 self._refuse("expired")
             return
         dialler = parked.claim.result()
