@@ -9,6 +9,15 @@ and an instance counter, so parallel and aborted runs never collide)::
                                                               |  veth (unshaped)
     netns N-ctl   eth0 10.213.0.1/24  (optional control host, e.g. a coordinator)
 
+A host in ``nat`` is a home network instead: ``N-h{i}`` becomes its router (the public address
+and the shaped access link, ``iptables`` MASQUERADE out of ``eth0``, and no inbound forwarding:
+only packets of connections opened from inside come back), and its processes run in
+``N-h{i}-lan`` at 192.168.{i+1}.2, which nothing outside can open a connection to::
+
+    netns N-h{i}-lan  eth0 192.168.{i+1}.2/24, default via .1
+                        |  veth
+    netns N-h{i}      lan0 192.168.{i+1}.1/24, eth0 10.213.0.{i+2}/24 (as above)
+
 Each host's access link is full duplex at ``mbps``: a ``tbf`` on the host's end of its
 veth pair limits what it sends, one on the bridge's end limits what it receives. Every
 namespace has ``lo`` up. Addresses exist only inside these namespaces and nothing
@@ -26,9 +35,11 @@ import re
 import shutil
 import signal
 import subprocess
+from collections.abc import Collection
 
 SUBNET = "10.213.0"
 IFNAME = "eth0"  # every host's interface inside its namespace
+IPTABLES = "iptables"
 QUEUE_MS = 100  # tbf queue (the time a packet may wait for tokens): a modest access-link buffer
 _instances = itertools.count()
 
@@ -43,6 +54,13 @@ def _tc(ns: str, *args: str) -> None:
     done = subprocess.run(["tc", "-n", ns, *args], capture_output=True, text=True, timeout=30)
     if done.returncode:
         raise RuntimeError(f"tc -n {ns} {' '.join(args)}: {done.stderr.strip()}")
+
+
+def _in(ns: str, *args: str) -> None:
+    """Run a command inside namespace ``ns``; RuntimeError if it fails."""
+    done = subprocess.run(["ip", "netns", "exec", ns, *args], capture_output=True, text=True, timeout=30)
+    if done.returncode:
+        raise RuntimeError(f"{' '.join(args)} in {ns}: {done.stderr.strip()}")
 
 
 def _tbf(mbps: float) -> list[str]:
@@ -72,6 +90,26 @@ def available() -> tuple[bool, str]:
         _tc(ns, "qdisc", "add", "dev", "v0", "root", *_tbf(10))
     except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
         return False, f"cannot build a namespace with a bridge, veth and tbf: {e}"
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
+    return True, ""
+
+
+@functools.cache
+def nat_available() -> tuple[bool, str]:
+    """Whether this machine can put an :class:`EmulatedNetwork` host behind NAT, and if not, why."""
+    ok, reason = available()
+    if not ok:
+        return ok, reason
+    if shutil.which(IPTABLES) is None:
+        return False, "missing iptables (apt-get install iptables)"
+    ns = f"sws-{os.getpid()}-{next(_instances)}-probe"
+    try:
+        _ip("netns", "add", ns)
+        _in(ns, IPTABLES, "-t", "nat", "-A", "POSTROUTING", "-o", "lo", "-j", "MASQUERADE")
+        _in(ns, IPTABLES, "-A", "FORWARD", "-m", "conntrack", "--ctstate", "ESTABLISHED", "-j", "ACCEPT")
+    except (RuntimeError, OSError, subprocess.TimeoutExpired) as e:
+        return False, f"cannot MASQUERADE in a namespace: {e}"
     finally:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
     return True, ""
@@ -109,12 +147,16 @@ class EmulatedNetwork:
 
     available = staticmethod(available)
 
-    def __init__(self, n_hosts: int, mbps: float, prefix: str = "sws", control: bool = False):
+    def __init__(
+        self, n_hosts: int, mbps: float, prefix: str = "sws", control: bool = False, nat: Collection[int] = ()
+    ):
         if not 1 <= n_hosts <= 250:
             raise ValueError(f"n_hosts={n_hosts} must lie in [1, 250]")
         if mbps <= 0:
             raise ValueError(f"mbps={mbps} must be positive")
-        self.n_hosts, self.mbps, self.control = n_hosts, mbps, control
+        if not set(nat) <= set(range(n_hosts)):
+            raise ValueError(f"nat={sorted(nat)} names hosts outside 0..{n_hosts - 1}")
+        self.n_hosts, self.mbps, self.control, self.nat = n_hosts, mbps, control, frozenset(nat)
         self.name = f"{prefix}-{os.getpid()}-{next(_instances)}"
         self.bridge_ns = f"{self.name}-br"
         self.hosts = [f"{self.name}-h{i}" for i in range(n_hosts)]
@@ -122,11 +164,16 @@ class EmulatedNetwork:
         self._made: list[str] = []
 
     def host_ip(self, i: int) -> str:
+        """The address host ``i``'s programs bind: behind NAT a private one nobody outside reaches."""
+        return f"192.168.{i + 1}.2" if i in self.nat else self.public_ip(i)
+
+    def public_ip(self, i: int) -> str:
+        """Host ``i``'s address on the shared network (its router's, behind NAT)."""
         return f"{SUBNET}.{i + 2}"
 
     def exec_prefix(self, i: int) -> list[str]:
-        """The command prefix that runs a program inside host ``i``."""
-        return ["ip", "netns", "exec", self.hosts[i]]
+        """The command prefix that runs a program inside host ``i`` (behind its NAT, if it has one)."""
+        return ["ip", "netns", "exec", self.hosts[i] + ("-lan" if i in self.nat else "")]
 
     @property
     def control_ip(self) -> str:
@@ -167,7 +214,7 @@ class EmulatedNetwork:
         self._add_ns(self.bridge_ns)
         _ip("-n", self.bridge_ns, "link", "add", "br0", "type", "bridge")
         _ip("-n", self.bridge_ns, "link", "set", "br0", "up")
-        ports = [(ns, f"p{i}", self.host_ip(i), True) for i, ns in enumerate(self.hosts)]
+        ports = [(ns, f"p{i}", self.public_ip(i), True) for i, ns in enumerate(self.hosts)]
         if self.control:
             ports.append((self.control_ns, "pc", f"{SUBNET}.1", False))
         for ns, port, address, shaped in ports:
@@ -180,6 +227,25 @@ class EmulatedNetwork:
             if shaped:
                 _tc(ns, "qdisc", "add", "dev", IFNAME, "root", *_tbf(self.mbps))
                 _tc(self.bridge_ns, "qdisc", "add", "dev", port, "root", *_tbf(self.mbps))
+        for i in sorted(self.nat):
+            self._put_behind_nat(i)
+
+    def _put_behind_nat(self, i: int) -> None:
+        """Host ``i``'s namespace becomes the router of a LAN holding its programs (module docstring)."""
+        router, lan, private = self.hosts[i], self.hosts[i] + "-lan", f"192.168.{i + 1}"
+        self._add_ns(lan)
+        _ip("-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", IFNAME, "netns", lan)
+        _ip("-n", router, "addr", "add", f"{private}.1/24", "dev", "lan0")
+        _ip("-n", router, "link", "set", "lan0", "up")
+        _ip("-n", lan, "addr", "add", f"{private}.2/24", "dev", IFNAME)
+        _ip("-n", lan, "link", "set", IFNAME, "up")
+        _ip("-n", lan, "route", "add", "default", "via", f"{private}.1")
+        _in(router, "sysctl", "-q", "-w", "net.ipv4.ip_forward=1")
+        masquerade = ["-s", f"{private}.0/24", "-o", IFNAME, "-j", "MASQUERADE"]
+        _in(router, IPTABLES, "-t", "nat", "-A", "POSTROUTING", *masquerade)
+        established = ["-m", "conntrack", "--ctstate", "ESTABLISHED,RELATED", "-j", "ACCEPT"]
+        _in(router, IPTABLES, "-A", "FORWARD", "-i", IFNAME, "-o", "lan0", *established)
+        _in(router, IPTABLES, "-A", "FORWARD", "-i", IFNAME, "-o", "lan0", "-j", "DROP")
 
     def _teardown(self) -> None:
         """Delete every namespace made (their veths and the bridge go with them); Ctrl-C waits."""

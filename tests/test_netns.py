@@ -7,14 +7,16 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from bench import peer
-from bench.netns import IFNAME, EmulatedNetwork, available, cleanup_stale, list_namespaces
+from bench.netns import IFNAME, EmulatedNetwork, available, cleanup_stale, list_namespaces, nat_available
 from bench.throughput import Link
 from swarm.core.config import MODEL_PRESETS, CodecConfig, RunConfig, TrainConfig
-from swarm.launch.local_swarm import up
+from swarm.launch.local_swarm import SwarmSummary, up
+from tests.test_swarm import reference_run
 
 OK, REASON = available()
 pytestmark = pytest.mark.skipif(not OK, reason=REASON)
@@ -99,6 +101,22 @@ def tbf_sent_bytes(ns: str) -> int:
     return int(re.search(r"Sent (\d+) bytes", stats.stdout).group(1))
 
 
+def swarm_in(net: EmulatedNetwork, config: RunConfig, run: Path, relay: bool = False) -> SwarmSummary:
+    """``config`` on one node per stage, each on its host of ``net``, the coordinator on its control host."""
+    return up(
+        config,
+        run,
+        progress=False,
+        use_dht=False,
+        timeout=300,
+        launch_prefix=net.exec_prefix,
+        node_host=net.host_ip,
+        coordinator_prefix=net.control_prefix,
+        coordinator_host=net.control_ip,
+        relay=relay,
+    )
+
+
 def test_swarm_inside_the_emulated_network(tmp_path):
     config = RunConfig(
         model=dataclasses.replace(MODEL_PRESETS["tiny"]),
@@ -107,17 +125,7 @@ def test_swarm_inside_the_emulated_network(tmp_path):
         n_stages=2,
     )
     with EmulatedNetwork(2, 50, prefix="swstest", control=True) as net:
-        summary = up(
-            config,
-            tmp_path / "run",
-            progress=False,
-            use_dht=False,
-            timeout=300,
-            launch_prefix=net.exec_prefix,
-            node_host=net.host_ip,
-            coordinator_prefix=net.control_prefix,
-            coordinator_host=net.control_ip,
-        )
+        summary = swarm_in(net, config, tmp_path / "run")
         sent = [tbf_sent_bytes(ns) for ns in net.hosts]
     assert summary.steps == 3 and summary.tokens_per_second > 0
     assert f"listening on {net.control_ip}:" in (tmp_path / "run" / "coordinator.log").read_text()
@@ -132,3 +140,60 @@ def test_peer_smoke_on_a_tbf_link():
     (row,) = peer.run(MODEL_PRESETS["tiny"], tiny_train(), 2, [Link("20 Mbit/s", 20)])
     assert row["system"] == peer.SYSTEM and row["shaper"] == "netns+tbf"
     assert row["tokens_per_s"] > 0
+
+
+# -- behind real NAT (MASQUERADE routers, no inbound forwarding) ------------------------------------
+
+NAT_OK, NAT_REASON = nat_available()
+
+
+def nat_swarm(tmp_path: Path, n_stages: int, nat: set[int]) -> tuple[RunConfig, SwarmSummary, list[float]]:
+    """A swarm of one node per stage, the hosts in ``nat`` behind NAT (each announces its private
+    address, as a volunteer who opened nothing would), and a coordinator that can relay; its
+    summary and the single-process losses of the same run."""
+    config = RunConfig(
+        model=dataclasses.replace(MODEL_PRESETS["tiny"]),
+        codec=CodecConfig(kind="subspace"),
+        train=tiny_train(steps=6),
+        n_stages=n_stages,
+    )
+    with EmulatedNetwork(n_stages, 50, prefix="swstest", control=True, nat=nat) as net:
+        summary = swarm_in(net, config, tmp_path / "run", relay=True)
+    assert ours("swstest") == []
+    return config, summary, reference_run(config, tmp_path / "cache")[0]
+
+
+def assert_same_losses(summary: SwarmSummary, reference: list[float]) -> None:
+    rel = [abs(a - b) / abs(b) for a, b in zip(summary.losses, reference, strict=True)]
+    assert max(rel) < 1e-4, rel
+
+
+def node_logs(run: Path, n: int, suffix: str) -> list[str]:
+    return [(run / f"node{i}.{suffix}").read_text() for i in range(n)]
+
+
+@pytest.mark.skipif(not NAT_OK, reason=NAT_REASON)
+def test_two_nodes_behind_nat_train_through_the_relay(tmp_path: Path):
+    """Both hosts are behind NAT: the coordinator's dial-back of their private addresses fails, so
+    both are dial-only, their link runs through the coordinator's relay (which they reach through
+    their routers), and the run reproduces the single-process losses."""
+    _, summary, reference = nat_swarm(tmp_path, 2, nat={0, 1})
+    assert_same_losses(summary, reference)
+    run = tmp_path / "run"
+    for err in node_logs(run, 2, "err"):
+        assert re.search(r"not reachable: .*192\.168\.\d\.2:\d+", err), err[-2000:]
+    logs = "".join(node_logs(run, 2, "log"))
+    assert re.search(r"dialled stage 1 through relay 10\.213\.0\.1:\d+", logs), logs
+    assert re.search(r"accepted stream from stage 0 through relay 10\.213\.0\.1:\d+", logs), logs
+
+
+@pytest.mark.skipif(not NAT_OK, reason=NAT_REASON)
+def test_two_nated_and_two_public_hosts_need_no_relay(tmp_path: Path):
+    """4 stages on 2 hosts behind NAT and 2 public ones: placement puts a public node next to every
+    NATed one, so no link is relayed (though the coordinator could), and the losses are the
+    single-process run's."""
+    _, summary, reference = nat_swarm(tmp_path, 4, nat={0, 2})
+    assert_same_losses(summary, reference)
+    logs = "".join(node_logs(tmp_path / "run", 4, "log"))
+    assert "through relay" not in logs
+    assert len(re.findall(r"dialled stage \d at 10\.213\.0\.[2-5]:\d+", logs)) == 3, logs
