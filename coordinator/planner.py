@@ -63,9 +63,11 @@ class Planner:
     def evict(self, node: NodeRecord) -> None:
         """Take ``node`` out of the run (it left, died or was evicted) and replan without it."""
         self.ended(node.id)
-        before = self.roster.owners()
+        before, epoch = self.roster.owners(), self.ledger.plan_epoch
         self.roster.retire(node)
         self.replan(before)
+        if self.relays.drop(node.id) and self.ledger.plan_epoch == epoch:
+            self.relays_changed()  # its relay went with it
 
     def replan(self, before: Owners) -> None:
         """Reassign stages (the one place that does); a new epoch when the owners differ from ``before``."""

@@ -2,10 +2,12 @@
 
 A relay (:mod:`swarm.net.relay`) carries a boundary link whose two ends cannot accept each other's
 stream. The coordinator knows them from ``--relay HOST:PORT`` (a ``swarm-coordinator relay``
-process anywhere reachable) and ``--relay-port P`` (one in its own process, planned as ``:P``: the
-nodes dial it at the host they reach the coordinator at). It pings each every few seconds; a link
-goes through a relay that answered the last ping, the same one for a pair of nodes while the set of
-answering relays stays the same (so load spreads, and a dead relay's links move to another).
+process anywhere reachable), ``--relay-port P`` (one in its own process, planned as ``:P``: the
+nodes dial it at the host they reach the coordinator at) and from volunteers that offer one at
+Join (``swarm-node join --relay-port``), for as long as they stay in the run. It pings each every
+few seconds; a link goes through a relay that answered the last ping, the same one for a pair of
+nodes while the set of answering relays stays the same (so load spreads, and a dead relay's links
+move to another).
 """
 
 from __future__ import annotations
@@ -24,10 +26,12 @@ PROBE_INTERVAL_S = 3.0
 
 @dataclass(frozen=True)
 class Relay:
-    """A relay as the plan names it (``planned``) and where the coordinator pings it (``probed``)."""
+    """A relay as the plan names it (``planned``), where the coordinator pings it (``probed``), and
+    the node that offered it (``owner``; empty for the operator's relays)."""
 
     planned: str
     probed: str
+    owner: str = ""
 
 
 class RelayPool:
@@ -39,6 +43,16 @@ class RelayPool:
 
     def add(self, relay: Relay) -> None:
         self.relays.append(relay)
+
+    def drop(self, owner: str) -> bool:
+        """Forget the relays ``owner`` offered (it left the run); whether any was answering."""
+        gone = {r.planned for r in self.relays if r.owner == owner}
+        if not gone:
+            return False
+        self.relays = [r for r in self.relays if r.owner != owner]
+        answering = bool(gone & set(self.alive))
+        self.alive = [a for a in self.alive if a not in gone]
+        return answering
 
     def choose(self, upstream: str, downstream: str) -> str:
         """The relay for the link between two nodes ("" when none answers)."""

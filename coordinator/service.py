@@ -63,6 +63,7 @@ from swarm.core.subspace import initial_artifacts
 from swarm.io.artifacts import CHUNK_BYTES, matrix_to_bytes
 from swarm.net.channel import server_options
 from swarm.net.health import Health
+from swarm.net.relay import ping
 from swarm.net.tls import INSECURE, Security
 from swarm.ops.metrics import Metrics
 
@@ -200,6 +201,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         before = self.roster.owners()
         self.roster.add(node, *self.gate.identity(node.id, admitted, context))
         self.planner.replan(before)
+        if request.relay_address:
+            reachability += "; " + await self._offered_relay(node, request.relay_address[:256])
         return coordinator_pb2.JoinReply(
             node_id=node.id,
             run_id=self.run_id,
@@ -216,6 +219,16 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             reachable=reachable,
             reachability=reachability,
         )
+
+    async def _offered_relay(self, node: NodeRecord, address: str) -> str:
+        """Plan with the relay ``node`` offers while it is in the run, if it answers a ping now;
+        what was found, for the node's log."""
+        if not await ping(address):
+            log.warning("node %s offers a relay at %s that does not answer: not used", node.id[:8], address)
+            return f"the relay offered at {address} does not answer: not used"
+        await self.add_relay(Relay(address, address, owner=node.id))
+        log.info("node %s relays at %s", node.id[:8], address)
+        return f"the relay offered at {address} answers: links may run through it"
 
     async def Heartbeat(self, request, context):
         node = self.roster.alive_node(request.node_id)

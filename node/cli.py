@@ -43,6 +43,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="HOST:PORT neighbours dial (default: the listen address; for 0.0.0.0, this host's "
         "address on the interface that reaches the coordinator)",
     )
+    p.add_argument(
+        "--relay-port",
+        type=int,
+        help="also relay links between nodes that cannot accept streams (behind NAT), on the --listen "
+        "host at this port (0: a free one); the coordinator uses it while this node is in the run",
+    )
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda:0 ...")
     p.add_argument(
         "--stages", type=int, default=1, help="how many consecutive stages this node offers to host"
@@ -242,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "serve":
         return serve_stage(args)
     endpoints = [args.coordinator, args.listen, args.announce]
+    if args.relay_port is not None and not args.listen:
+        print("swarm-node: --relay-port needs a --listen address others can reach", file=sys.stderr)
+        return 2
     security = tls.from_args(args, "swarm-node", endpoints, server=bool(args.listen))
     token = join_token.from_args(args, "swarm-node")
     if token is None:
@@ -262,6 +271,7 @@ def main(argv: list[str] | None = None) -> int:
         use_dht=not args.no_dht,
         public_dht=args.public_dht,
         name=args.name,
+        relay_port=args.relay_port,
         security=security,
         timeouts=dataclasses.replace(
             Timeouts(),

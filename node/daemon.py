@@ -59,6 +59,7 @@ from swarm.net.discovery import (
 from swarm.net.frames import PROTOCOL_VERSION
 from swarm.net.health import Health
 from swarm.net.netaddr import is_wildcard, join_host_port, split_host_port, visible_host
+from swarm.net.relay import RelayMetrics, RelayServer
 from swarm.ops.logs import say, set_context
 from swarm.ops.metrics import Metrics, MetricsServer
 from swarm.runtime.averaging import ReplicaAverager
@@ -105,6 +106,7 @@ class NodeDaemon:
         self.health: Health | None = None
         self.server: grpc.aio.Server | None = None
         self.service: StageService | None = None
+        self.relay: RelayServer | None = None
         self.dht = None
         self.leaving = asyncio.Event()
         self._cuts_taken = 0
@@ -124,7 +126,8 @@ class NodeDaemon:
             say(f"node metrics on {join_host_port(self.http.host, self.http.port)} (/metrics, /healthz)")
         try:
             self.address = await self._start_server()
-            reply = await self._join()
+            relay_address = await self._start_relay()
+            reply = await self._join(relay_address)
             self.node_id = reply.node_id
             set_context(node=self.node_id[:8])
             self.config = self._config(reply)
@@ -431,7 +434,19 @@ class NodeDaemon:
             return self.settings.announce
         return join_host_port(visible_host(host, self.coordinator_host), bound)
 
-    async def _join(self) -> cpb.JoinReply:
+    async def _start_relay(self) -> str:
+        """Run a relay for other nodes' links if the volunteer offers one (``--relay-port``); the
+        address to offer at Join ("" for none): the announced host, at the relay's port."""
+        if self.settings.relay_port is None:
+            return ""
+        host = split_host_port(self.settings.listen)[0]
+        self.relay = RelayServer(metrics=RelayMetrics(self.metrics.registry))
+        port = await self.relay.start(host, self.settings.relay_port)
+        address = join_host_port(split_host_port(self.address)[0], port)
+        say(f"relaying for other nodes at {address}")
+        return address
+
+    async def _join(self, relay_address: str = "") -> cpb.JoinReply:
         s = self.settings
         request = cpb.JoinRequest(
             protocol_version=PROTOCOL_VERSION,
@@ -440,6 +455,7 @@ class NodeDaemon:
             announce_address=self.address,
             max_stages=s.max_stages,
             device=str(self.device),
+            relay_address=relay_address,
         )
         try:
             reply = await self.client.join(request)
@@ -504,6 +520,8 @@ class NodeDaemon:
         await self.client.close()
         if self.server is not None:  # no more streams; the server itself stays up until close()
             await self.health.set(self.stage_service_name, False)
+        if self.relay is not None:  # the coordinator stopped planning with it when this node left
+            await self.relay.close()
         if self.dht is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.dht.shutdown(), timeout=3)

@@ -51,5 +51,6 @@ class NodeSettings:
     public_dht: bool = False
     dht_listen: str = ""  # DHT multiaddr; default: TCP on a free port of the metrics_host default
     name: str = ""
+    relay_port: int | None = None  # run a relay for other nodes' links on the listen host (0: a free port)
     timeouts: Timeouts = field(default_factory=Timeouts)
     security: Security = INSECURE  # TLS of the coordinator channel, the Stage server and its streams

@@ -253,6 +253,18 @@ def test_a_dial_only_join_that_fits_nowhere_is_shown_as_a_plan_problem(tmp_path:
     assert [n["inbound"] for n in status_document(status)["nodes"]] == ["dial-only", "dial-only"]
 
 
+async def report_failure(stub, service: CoordinatorService, reporter: cpb.JoinReply, peer_id: str) -> None:
+    """``reporter`` tells the coordinator its planned link to ``peer_id`` broke in the current epoch."""
+    report = cpb.FailureReport(
+        node_id=reporter.node_id,
+        plan_epoch=service.ledger.plan_epoch,
+        reason=f"the link to {peer_id[:8]} broke",
+        peer_node_id=peer_id,
+    )
+    metadata = session_metadata(reporter.node_id, reporter.session)
+    await stub.ReportFailure(report, timeout=10, metadata=metadata)
+
+
 def test_a_link_that_fails_in_two_consecutive_epochs_is_placed_around(tmp_path: Path):
     """b reports its link to c broken in two epochs in a row while c answers Pings: the first
     restarts the same plan, the second gives c's stage to the standby instead."""
@@ -275,14 +287,7 @@ def test_a_link_that_fails_in_two_consecutive_epochs_is_placed_around(tmp_path: 
 
             seen, epochs = [stages()], [service.ledger.plan_epoch]
             for _ in range(2):
-                b = joined["b"]
-                report = cpb.FailureReport(
-                    node_id=b.node_id,
-                    plan_epoch=service.ledger.plan_epoch,
-                    reason="boundary 1: could not reach c",
-                    peer_node_id=joined["c"].node_id,
-                )
-                await stub.ReportFailure(report, timeout=10, metadata=session_metadata(b.node_id, b.session))
+                await report_failure(stub, service, joined["b"], joined["c"].node_id)
                 seen.append(stages())
                 epochs.append(service.ledger.plan_epoch)
         return seen, epochs
@@ -346,13 +351,7 @@ def test_a_pair_that_cannot_be_placed_apart_runs_through_a_relay(tmp_path: Path)
                 link.relay_address for link in service.planner.plan_for(service.roster.nodes[a.node_id]).links
             ] == [""]
             for _ in range(2):
-                report = cpb.FailureReport(
-                    node_id=a.node_id,
-                    plan_epoch=service.ledger.plan_epoch,
-                    reason="boundary 0: broke",
-                    peer_node_id=b.node_id,
-                )
-                await stub.ReportFailure(report, timeout=10, metadata=session_metadata(a.node_id, a.session))
+                await report_failure(stub, service, a, b.node_id)
             plans = [service.planner.plan_for(service.roster.nodes[n.node_id]).links for n in (a, b)]
             return plans[0], plans[1], service.status(), relay_address
 
@@ -365,3 +364,45 @@ def test_a_pair_that_cannot_be_placed_apart_runs_through_a_relay(tmp_path: Path)
     assert not status.plan_problems
     assert list(status.relayed_links) == [f"boundary 0: a -> b through relay {relay_address}"]
     assert f"relayed: boundary 0: a -> b through relay {relay_address}" in render(status, "here")
+
+
+def test_a_relay_a_volunteer_offers_is_used_while_it_is_in_the_run(tmp_path: Path):
+    """A node offering a relay that answers gets it planned with (a pair that failed twice runs
+    through it); one offering a relay that does not answer is told so; the relay is dropped when
+    its node leaves."""
+
+    async def scenario() -> tuple[list[str], list[str], str, str, list[str]]:
+        async with RelayServer() as relay, contextlib.AsyncExitStack() as stack:
+            offered = f"127.0.0.1:{await relay.start()}"
+            service = CoordinatorService(
+                tiny_config(n_stages=2), TOKEN, tmp_path / "state.sqlite", None, Metrics("coordinator"), []
+            )
+            server = await stack.enter_async_context(CoordinatorServer(service))
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+            stack.push_async_callback(channel.close)
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            joined = {}
+            for name, relay_address in (("x", ""), ("v", offered), ("w", f"127.0.0.1:{free_port()}")):
+                request = join_request(name, await stack.enter_async_context(StageServer()))
+                request.relay_address = relay_address
+                joined[name] = await stub.Join(request, timeout=10)
+            x, v = joined["x"], joined["v"]
+            w = joined["w"].node_id  # the standby cannot take either end's place: its links fail too
+            service.roster.broken.update({frozenset((x.node_id, w)), frozenset((v.node_id, w))})
+            for _ in range(2):  # x (stage 0) and v (stage 1) fail twice
+                await report_failure(stub, service, x, v.node_id)
+            links = service.planner.plan_for(service.roster.nodes[x.node_id]).links
+            relayed = [link.relay_address for link in links]
+            alive_before = list(service.relays.alive)
+            leave = cpb.LeaveRequest(node_id=v.node_id, reason="done")
+            await stub.Leave(leave, timeout=10, metadata=session_metadata(v.node_id, v.session))
+            return alive_before, relayed, v.reachability, joined["w"].reachability, list(service.relays.alive)
+
+    alive_before, relayed, offered_ok, offered_dead, alive_after = asyncio.run(
+        asyncio.wait_for(scenario(), 30)
+    )
+    (offered,) = alive_before
+    assert relayed == [offered]
+    assert f"the relay offered at {offered} answers" in offered_ok
+    assert "does not answer: not used" in offered_dead
+    assert alive_after == []

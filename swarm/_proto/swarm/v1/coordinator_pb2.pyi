@@ -37,20 +37,22 @@ LINK_ROLE_DIAL: LinkRole
 LINK_ROLE_ACCEPT: LinkRole
 
 class JoinRequest(_message.Message):
-    __slots__ = ("protocol_version", "token", "node_name", "announce_address", "max_stages", "device")
+    __slots__ = ("protocol_version", "token", "node_name", "announce_address", "max_stages", "device", "relay_address")
     PROTOCOL_VERSION_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     ANNOUNCE_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     MAX_STAGES_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    RELAY_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     protocol_version: int
     token: str
     node_name: str
     announce_address: str
     max_stages: int
     device: str
-    def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., node_name: _Optional[str] = ..., announce_address: _Optional[str] = ..., max_stages: _Optional[int] = ..., device: _Optional[str] = ...) -> None: ...
+    relay_address: str
+    def __init__(self, protocol_version: _Optional[int] = ..., token: _Optional[str] = ..., node_name: _Optional[str] = ..., announce_address: _Optional[str] = ..., max_stages: _Optional[int] = ..., device: _Optional[str] = ..., relay_address: _Optional[str] = ...) -> None: ...
 
 class BoundaryLink(_message.Message):
     __slots__ = ("boundary", "local_stage", "peer_node_id", "peer_address", "role", "link_secret", "peer_certificate", "relay_address")
