@@ -37,6 +37,7 @@ from swarm.net.relay import (
 from swarm.net.tls import Security
 from swarm.ops.metrics import Metrics
 from swarm.runtime.wire import GradientFrame
+from tests.hostile_relay import Tampered
 from tests.procs import Proc, coordinator, free_port, node, processes, status, tiny_run, wait_status
 from tests.test_links import CLIENT, DOWN_PEER, SECRET, run, stage_server
 from tests.test_swarm import reference_run
@@ -236,28 +237,6 @@ def test_a_boundary_stream_over_mutual_tls_runs_through_the_relay(pki: Path):
     assert all(f.payload.data == frame(f.step).payload.data for f in received)
 
 
-class Tampered:
-    """A reader that alters the stream once, past the first ``after`` bytes: ``how`` is flip (one
-    bit of one byte), drop (one chunk) or replay (one chunk twice)."""
-
-    done = False
-
-    def __init__(self, reader: asyncio.StreamReader, how: str, after: int = 20_000):
-        self.reader, self.how, self.after, self.seen = reader, how, after, 0
-
-    async def read(self, n: int) -> bytes:
-        data = await self.reader.read(n)
-        self.seen += len(data)
-        if Tampered.done or self.seen < self.after or len(data) < 64:
-            return data
-        Tampered.done = True
-        if self.how == "flip":
-            return data[:32] + bytes([data[32] ^ 0x10]) + data[33:]
-        if self.how == "drop":
-            return await self.reader.read(n)
-        return data + data
-
-
 @pytest.mark.parametrize("how", ["flip", "drop", "replay"])
 def test_a_relay_that_alters_bytes_breaks_the_stream_but_delivers_nothing_corrupt(
     pki: Path, how: str, monkeypatch
@@ -266,7 +245,8 @@ def test_a_relay_that_alters_bytes_breaks_the_stream_but_delivers_nothing_corrup
     gets the frames exactly as sent or a broken stream (then the step fails and the epoch retries)."""
     honest: Callable = relay.pipe
     Tampered.done = False
-    monkeypatch.setattr(relay, "pipe", lambda reader, *a, **k: honest(Tampered(reader, how), *a, **k))
+    tampered = lambda reader, *a, **k: honest(Tampered(reader, how, 20_000), *a, **k)  # noqa: E731
+    monkeypatch.setattr(relay, "pipe", tampered)
     received, failures = run(relayed_stream(pki, 40, free_port()), timeout=60)
     assert Tampered.done and failures, (len(received), failures)
     assert len(received) < 40
@@ -297,6 +277,15 @@ def stages_of(status: coordinator_pb2.StatusReply, proc: Proc) -> list[int]:
     return next(list(n.last_stages) for n in status.nodes if n.node_name == proc.log.stem)
 
 
+def node_pki(folder: Path) -> Path:
+    """A CA with the coordinator's certificate and nodes a's and b's."""
+    pki = folder / "pki"
+    certs.init(pki)
+    for name in ("a", "b"):
+        certs.issue_node(pki, name)
+    return pki
+
+
 def assert_reproduces(final: coordinator_pb2.StatusReply, reference: list[float]) -> None:
     assert final.run_complete and [s.step for s in final.steps] == list(range(STEPS))
     rel = [abs(s.loss - r) / abs(r) for s, r in zip(final.steps, reference, strict=True)]
@@ -308,10 +297,7 @@ def test_two_dial_only_nodes_train_through_the_coordinators_relay_over_mutual_tl
     """Neither node can accept: the coordinator's relay carries their link (TLS end to end), the run
     reproduces the single-process losses, and Status shows the link as relayed."""
     config, reference = relayed_run(tmp_path)
-    pki = tmp_path / "pki"
-    certs.init(pki)
-    for name in ("a", "b"):
-        certs.issue_node(pki, name)
+    pki = node_pki(tmp_path)
     with processes() as running:
         flags = (*tls.cli_flags(pki, "coordinator"), "--relay-port", "0")
         address = coordinator(running, tmp_path, config, *flags, port=free_port())
@@ -363,3 +349,28 @@ def test_a_killed_relay_moves_the_link_to_another_and_the_run_reproduces_its_los
     (other,) = set(relays) - {used}
     dialled = "".join(n.stdout() for n in nodes)
     assert f"boundary 0: dialled stage 1 through relay {other}" in dialled  # after the kill
+
+
+@pytest.mark.timeout(300)
+def test_a_relay_that_flips_a_bit_mid_run_breaks_the_link_and_the_run_recovers_exactly(tmp_path: Path):
+    """Over mutual TLS, a relay flips one bit once the link has carried 50 kB: the TLS record check
+    breaks the stream (nothing corrupt reaches a stage), the epoch restarts from the cut through
+    the same relay, and the run ends with the undisturbed losses."""
+    config, reference = relayed_run(tmp_path)
+    pki = node_pki(tmp_path)
+    with processes() as running:
+        port = free_port()
+        hostile = [sys.executable, "-m", "tests.hostile_relay", "flip", "50000", "--port", str(port)]
+        running.append(Proc(hostile, tmp_path / "relay.err"))
+        running[-1].wait_for(r"relay listening on", 60)
+        flags = (*tls.cli_flags(pki, "coordinator"), "--relay", f"127.0.0.1:{port}")
+        address = coordinator(running, tmp_path, config, *flags, port=free_port())
+        nodes = dial_only_nodes(running, tmp_path, address, lambda name: tls.cli_flags(pki, name))
+        for n in nodes:
+            assert n.wait(150) == 0, n.output()
+        running[0].wait_for(r"tampered \(flip\)", 5)
+        client = Security.from_files(pki / "ca.pem", pki / "a.pem", pki / "a.key", mutual=True)
+        with client.channel(address) as channel:
+            final = CoordinatorStub(channel).Status(coordinator_pb2.StatusRequest(), timeout=5)
+    assert_reproduces(final, reference)
+    assert final.epochs_restarted >= 1
