@@ -100,7 +100,7 @@ class Planner:
             node_id[:8],
             peer_id[:8],
         )
-        self.roster.broken.add(pair)
+        self.roster.mark_broken(pair)
         before = self.ledger.plan_epoch
         self.replan(self.roster.owners())
         return self.ledger.plan_epoch != before

@@ -46,12 +46,17 @@ class Roster:
         # (`token create`), else itself (nodes sharing the operator's token cannot be linked)
         self.party: dict[str, str] = {}
         self.certificate_of: dict[str, str] = {}  # node id -> its client certificate's name (mutual TLS)
-        # pairs of nodes whose planned link failed to connect in two consecutive epochs (not persisted)
-        self.broken: set[frozenset[str]] = set()
+        # pairs of nodes whose planned link failed to connect in two consecutive epochs
+        self.broken: set[frozenset[str]] = state.broken_pairs()
         for node_id, (party, certificate) in state.identities().items():
             self.party[node_id] = party
             if certificate:
                 self.certificate_of[node_id] = certificate
+
+    def mark_broken(self, pair: frozenset[str]) -> None:
+        """The two nodes of ``pair`` cannot link directly (kept in the state: a restart remembers)."""
+        self.broken.add(pair)
+        self.state.add_broken_pair(pair)
 
     def alive_node(self, node_id: str) -> NodeRecord | None:
         node = self.nodes.get(node_id)

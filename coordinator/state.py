@@ -43,6 +43,7 @@ CREATE TABLE IF NOT EXISTS statistics (
 CREATE TABLE IF NOT EXISTS node_identity (
     node_id TEXT PRIMARY KEY, party TEXT NOT NULL, certificate TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS broken_pairs (a TEXT NOT NULL, b TEXT NOT NULL, PRIMARY KEY (a, b));
 CREATE TABLE IF NOT EXISTS rotations (version INTEGER PRIMARY KEY, effective_step INTEGER, message BLOB);
 CREATE TABLE IF NOT EXISTS checkpoints (
     step INTEGER NOT NULL, stage INTEGER NOT NULL, digest TEXT NOT NULL, size INTEGER NOT NULL, at REAL,
@@ -158,6 +159,15 @@ class CoordinatorState:
         self.db.execute(
             "INSERT OR REPLACE INTO node_identity VALUES (?, ?, ?)", (node_id, party, certificate)
         )
+
+    def add_broken_pair(self, pair: frozenset[str]) -> None:
+        """Record that the planned link between two nodes failed in two consecutive epochs."""
+        a, b = sorted(pair)
+        self.db.execute("INSERT OR IGNORE INTO broken_pairs VALUES (?, ?)", (a, b))
+
+    def broken_pairs(self) -> set[frozenset[str]]:
+        """Every pair recorded by :meth:`add_broken_pair`."""
+        return {frozenset(row) for row in self.db.execute("SELECT a, b FROM broken_pairs")}
 
     def identities(self) -> dict[str, tuple[str, str]]:
         """node id -> (party, certificate name), for every node that joined."""

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import grpc
 from swarm.coordinator.assignment import Reach, add_replicas, assign, place, stages_of, unconnectable
+from swarm.coordinator.roster import Roster
 from swarm.coordinator.service import CoordinatorServer, CoordinatorService
 from swarm.coordinator.settings import CoordinatorSettings
 from swarm.coordinator.state import CoordinatorState, NodeRecord
@@ -298,7 +299,7 @@ def test_a_link_that_fails_in_two_consecutive_epochs_is_placed_around(tmp_path: 
     assert epochs[1] == epochs[0] + 1 and epochs[2] == epochs[1] + 1
 
 
-def test_reachability_is_kept_in_the_state_and_read_from_one_written_before_it(tmp_path: Path):
+def test_reachability_and_broken_pairs_are_kept_in_the_state(tmp_path: Path):
     path = tmp_path / "state.sqlite"
     old = sqlite3.connect(path)  # the nodes table as it was before reachability was measured
     old.execute(
@@ -315,7 +316,11 @@ def test_reachability_is_kept_in_the_state_and_read_from_one_written_before_it(t
     assert [(n.id, n.reachable) for n in state.nodes()] == [("a", True), ("b", False)]
     state.upsert_node(NodeRecord("c", "c", "127.0.0.1:7003", "cpu", 1, [], True, reachable=False))
     assert [(n.id, n.reachable) for n in state.nodes()] == [("a", True), ("b", False), ("c", False)]
+    Roster(3, state, Metrics("coordinator"), CoordinatorSettings()).mark_broken(frozenset(("c", "a")))
     state.close()
+    again = CoordinatorState(path)  # a restarted coordinator still places a and c apart
+    assert Roster(3, again, Metrics("coordinator"), CoordinatorSettings()).broken == {frozenset(("a", "c"))}
+    again.close()
 
 
 def test_a_pair_that_cannot_be_placed_apart_runs_through_a_relay(tmp_path: Path):
