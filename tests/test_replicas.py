@@ -130,10 +130,12 @@ def test_a_replicated_stage_trains_the_single_process_model(tmp_path, schedule):
 OUTER_SYNC = re.compile(r"stage (\d+) averaging: .*; (\d+) outer syncs, (\d+) bytes sent per sync")
 
 
-# Slow suite: its final loss against the per-step single-process run came out at 1.02x in some
-# runs and 0.58x in others (the outer Nesterov step can train faster than per-step averaging on this
-# 20-step run); until it compares with a deterministic outer-step reference it stays out of CI's
-# default suite, which covers outer steps through tests/test_outer_step.py.
+# Slow suite (a live 3-node swarm with a P2P group; CI's default suite covers outer steps through
+# tests/test_outer_step.py, against a deterministic reference). Its final loss is bounded on one
+# side only: against the per-step single-process run it came out at 1.02x in some runs and 0.58x
+# in others (the outer Nesterov step, lr 0.7 and momentum 0.9, trains faster than per-step
+# averaging on this 20-step run, by how much depends on how the coordinator deals the microbatches
+# between the replicas by their measured speed: 3+1 or 2+2).
 @pytest.mark.slow
 def test_replicas_taking_outer_steps_train_and_sync_in_int8(tmp_path):
     """The live swarm of the test above with ``replica_sync.mode = "outer"`` (no rotations: refused
@@ -159,7 +161,8 @@ def test_replicas_taking_outer_steps_train_and_sync_in_int8(tmp_path):
     losses = [s.loss for s in final.steps]
     single = single_process_losses(config, tmp_path)
     print(f"MEASURED outer-step losses / single-process at the end: {losses[-1] / single[-1]:.3f}")
-    assert all(math.isfinite(x) for x in losses) and abs(losses[-1] / single[-1] - 1) < 0.1
+    assert all(math.isfinite(x) for x in losses) and losses[-1] < 0.9 * losses[0]  # it trains
+    assert losses[-1] / single[-1] < 1.1  # and no worse than averaging every step
 
 
 KILL_STEP = 15  # after the cut at step 9: the run rolls back to step 10 without the dead replica
