@@ -170,13 +170,16 @@ async def run_relay(host: str, port: int, limits: RelayLimits, metrics_port: int
     """``swarm-coordinator relay``: serve a relay until SIGINT/SIGTERM."""
     registry = CollectorRegistry()
     http = MetricsServer(registry, host, metrics_port) if metrics_port != -1 else None
-    async with RelayServer(limits, RelayMetrics(registry)) as relay:
-        bound = await relay.start(host, port)
-        stop = _stop_on_signals()
-        print(f"relay listening on {host_port(host, bound)} metrics={http.port if http else -1}", flush=True)
-        await stop.wait()
-    if http is not None:
-        http.close()
+    try:
+        async with RelayServer(limits, RelayMetrics(registry)) as relay:
+            bound = await relay.start(host, port)
+            stop = _stop_on_signals()
+            served = f"relay listening on {host_port(host, bound)} metrics={http.port if http else -1}"
+            print(served, flush=True)
+            await stop.wait()
+    finally:
+        if http is not None:
+            http.close()
 
 
 def _stop_on_signals() -> asyncio.Event:

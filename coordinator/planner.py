@@ -56,6 +56,7 @@ class Planner:
         self.config, self.roster, self.ledger, self.progress = config, roster, ledger, progress
         self.ended = ended
         self.relays = relays if relays is not None else RelayPool()
+        self._relayed: list[str] = []  # the relayed links of the current epoch's plan
         self._failed: dict[frozenset[str], int] = {}  # a pair of nodes -> the last epoch their link failed
         self.problems: list[str] = self._problems(roster.owners())
         self._deal()
@@ -63,11 +64,12 @@ class Planner:
     def evict(self, node: NodeRecord) -> None:
         """Take ``node`` out of the run (it left, died or was evicted) and replan without it."""
         self.ended(node.id)
-        before, epoch = self.roster.owners(), self.ledger.plan_epoch
+        before = self.roster.owners()
+        self.relays.drop(node.id)  # its relay goes with it: plan without
         self.roster.retire(node)
         self.replan(before)
-        if self.relays.drop(node.id) and self.ledger.plan_epoch == epoch:
-            self.relays_changed()  # its relay went with it
+        if self.relayed_links() != self._relayed and not self.progress.run_complete:
+            self.new_epoch(f"node {node.id[:8]} left with the relay links ran through")
 
     def replan(self, before: Owners) -> None:
         """Reassign stages (the one place that does); a new epoch when the owners differ from ``before``."""
@@ -106,18 +108,16 @@ class Planner:
         return self.ledger.plan_epoch != before
 
     def relays_changed(self) -> None:
-        """The relays that answer changed: place again, and start a new epoch if a planned link runs
-        (or could now run) through a relay."""
-        before, epoch = self.roster.owners(), self.ledger.plan_epoch
-        self.replan(before)
-        owners = self.roster.owners()
-        relayed = unconnectable(owners, self.roster.reach())
-        if relayed and self.ledger.plan_epoch == epoch and not self.progress.run_complete:
+        """The relays that answer changed: place again, and start a new epoch if that changes which
+        links run through which relay."""
+        self.replan(self.roster.owners())
+        if self.relayed_links() != self._relayed and not self.progress.run_complete:
             self.new_epoch("the relays that answer changed")
 
     def new_epoch(self, reason: str) -> None:
         """Start a plan epoch with the current owners (microbatches dealt anew)."""
         self._deal()
+        self._relayed = self.relayed_links()
         self.ledger.start_epoch(reason, progressed=self.progress.completed >= 0)
 
     def heard(self, node: NodeRecord, request: coordinator_pb2.HeartbeatRequest) -> None:

@@ -5,9 +5,8 @@ stream. The coordinator knows them from ``--relay HOST:PORT`` (a ``swarm-coordin
 process anywhere reachable), ``--relay-port P`` (one in its own process, planned as ``:P``: the
 nodes dial it at the host they reach the coordinator at) and from volunteers that offer one at
 Join (``swarm-node join --relay-port``), for as long as they stay in the run. It pings each every
-few seconds; a link goes through a relay that answered the last ping, the same one for a pair of
-nodes while the set of answering relays stays the same (so load spreads, and a dead relay's links
-move to another).
+few seconds; a link goes through a relay that answered the last ping, chosen per pair of nodes by
+rendezvous hashing (load spreads, and when a relay dies or comes only its own pairs move).
 """
 
 from __future__ import annotations
@@ -40,8 +39,10 @@ class RelayPool:
     def __init__(self, relays: list[Relay] | None = None):
         self.relays = list(relays or [])
         self.alive: list[str] = []  # planned addresses, in the order given
+        self._probing = asyncio.Lock()  # one probe at a time: a slow one cannot undo a newer one
 
     def add(self, relay: Relay) -> None:
+        """Plan with ``relay`` too, once it answers a :meth:`probe`."""
         self.relays.append(relay)
 
     def drop(self, owner: str) -> bool:
@@ -56,22 +57,24 @@ class RelayPool:
 
     def choose(self, upstream: str, downstream: str) -> str:
         """The relay for the link between two nodes ("" when none answers)."""
-        if not self.alive:
-            return ""
-        return self.alive[zlib.crc32(f"{upstream}|{downstream}".encode()) % len(self.alive)]
+        pair = f"{upstream}|{downstream}|"
+        return max(self.alive, key=lambda r: zlib.crc32((pair + r).encode()), default="")
 
     async def probe(self) -> bool:
-        """Ping every relay (concurrently, bounded); whether the answering set changed."""
-        answers = await asyncio.gather(*(ping(r.probed) for r in self.relays))
-        alive = [r.planned for r, ok in zip(self.relays, answers, strict=True) if ok]
-        changed = alive != self.alive
-        for relay, ok in zip(self.relays, answers, strict=True):
-            if ok != (relay.planned in self.alive):
-                (log.info if ok else log.warning)(
-                    "relay %s %s", relay.planned, "answers" if ok else "does not answer: its links move"
-                )
-        self.alive = alive
-        return changed
+        """Ping every relay (concurrently, each bounded by the ping's timeout); whether the
+        answering set changed."""
+        async with self._probing:
+            relays = list(self.relays)  # add() and drop() may change the list while pings run
+            answers = await asyncio.gather(*(ping(r.probed) for r in relays))
+            known = {r.planned for r in self.relays}  # dropped meanwhile: not alive, whatever it said
+            alive = [r.planned for r, ok in zip(relays, answers, strict=True) if ok and r.planned in known]
+            for relay, ok in zip(relays, answers, strict=True):
+                if ok != (relay.planned in self.alive):
+                    (log.info if ok else log.warning)(
+                        "relay %s %s", relay.planned, "answers" if ok else "does not answer: its links move"
+                    )
+            changed, self.alive = alive != self.alive, alive
+            return changed
 
     async def probe_forever(self, changed: Callable[[], None], interval: float = PROBE_INTERVAL_S) -> None:
         """Probe now and every ``interval`` seconds; call ``changed`` when the answering set changes."""

@@ -63,6 +63,7 @@ from swarm.core.subspace import initial_artifacts
 from swarm.io.artifacts import CHUNK_BYTES, matrix_to_bytes
 from swarm.net.channel import server_options
 from swarm.net.health import Health
+from swarm.net.netaddr import split_host_port
 from swarm.net.relay import ping
 from swarm.net.tls import INSECURE, Security
 from swarm.ops.metrics import Metrics
@@ -138,16 +139,13 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         """Start declaring silent nodes dead and pinging the relays (needs a running event loop)."""
         loop = asyncio.get_running_loop()
         self.reaper = loop.create_task(self._reap_forever())
-        if self.relays.relays:
-            self.relay_prober = loop.create_task(self.relays.probe_forever(self.planner.relays_changed))
+        self.relay_prober = loop.create_task(self.relays.probe_forever(self.planner.relays_changed))
 
     async def add_relay(self, relay: Relay) -> None:
-        """Plan links through ``relay`` too (pinged now, then with the others; after :meth:`start`)."""
+        """Plan links through ``relay`` too (pinged now, then with the others)."""
         self.relays.add(relay)
         if await self.relays.probe():
             self.planner.relays_changed()
-        if self.relay_prober is None:
-            self.relay_prober = asyncio.create_task(self.relays.probe_forever(self.planner.relays_changed))
 
     def end_streams(self) -> None:
         """Finish every WatchRotations stream (before the server's grace period starts)."""
@@ -201,7 +199,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         before = self.roster.owners()
         self.roster.add(node, *self.gate.identity(node.id, admitted, context))
         self.planner.replan(before)
-        if request.relay_address:
+        if request.relay_address and reachable:
             reachability += "; " + await self._offered_relay(node, request.relay_address[:256])
         return coordinator_pb2.JoinReply(
             node_id=node.id,
@@ -221,8 +219,19 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         )
 
     async def _offered_relay(self, node: NodeRecord, address: str) -> str:
-        """Plan with the relay ``node`` offers while it is in the run, if it answers a ping now;
-        what was found, for the node's log."""
+        """Plan with the relay ``node`` offers while it is in the run, if it may offer one and it
+        answers a ping now; what was found, for the node's log.
+
+        Only under mutual TLS (or clear text, where nothing is protected anyway): there the plan pins
+        each end's certificate, so a relay holding a node certificate of its own cannot pose as
+        either end; under plain TLS any node certificate would do, and a volunteer relay could
+        read and alter the link.
+        """
+        if self.security.tls and not self.security.mutual:
+            return f"the relay offered at {address} is not used: volunteer relays need --mutual-tls"
+        host = split_host_port(address)[0] if ":" in address else ""
+        if not node.address or host != split_host_port(node.address)[0]:
+            return f"the relay offered at {address} is not used: it must be on the announced host"
         if not await ping(address):
             log.warning("node %s offers a relay at %s that does not answer: not used", node.id[:8], address)
             return f"the relay offered at {address} does not answer: not used"

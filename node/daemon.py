@@ -423,7 +423,7 @@ class NodeDaemon:
         host, port = split_host_port(self.settings.listen) if self.settings.listen else ("127.0.0.1", 0)
         bound = security.add_port(self.server, join_host_port(host, port))
         if bound == 0:
-            raise RuntimeError(f"cannot listen on {self.settings.listen}")
+            raise RuntimeError(f"cannot listen on {join_host_port(host, port)}")
         await self.server.start()
         await self.health.serving()
         local_host = "127.0.0.1" if is_wildcard(host) else host

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from collections.abc import Awaitable, Callable
 
 from swarm.coordinator import cli
 
@@ -41,13 +42,14 @@ class Tampered:
         return data + data
 
 
-def turn_hostile(how: str, after: int) -> None:
+def tampering(how: str, after: int) -> Callable[..., Awaitable[None]]:
+    """:func:`swarm.net.relay.pipe` with its reader :class:`Tampered`."""
     if how not in HOW:
-        raise SystemExit(f"unknown tampering {how!r}; choose from {HOW}")
+        raise ValueError(f"unknown tampering {how!r}; choose from {HOW}")
     honest = relay.pipe
-    relay.pipe = lambda reader, *a, **k: honest(Tampered(reader, how, after), *a, **k)
+    return lambda reader, *a, **k: honest(Tampered(reader, how, after), *a, **k)
 
 
 if __name__ == "__main__":
-    turn_hostile(sys.argv[1], int(sys.argv[2]))
+    relay.pipe = tampering(sys.argv[1], int(sys.argv[2]))
     sys.exit(cli.main(["relay", *sys.argv[3:]]))

@@ -393,7 +393,8 @@ def test_a_relay_a_volunteer_offers_is_used_while_it_is_in_the_run(tmp_path: Pat
                 joined[name] = await stub.Join(request, timeout=10)
             x, v = joined["x"], joined["v"]
             w = joined["w"].node_id  # the standby cannot take either end's place: its links fail too
-            service.roster.broken.update({frozenset((x.node_id, w)), frozenset((v.node_id, w))})
+            for pair in (frozenset((x.node_id, w)), frozenset((v.node_id, w))):
+                service.roster.mark_broken(pair)
             for _ in range(2):  # x (stage 0) and v (stage 1) fail twice
                 await report_failure(stub, service, x, v.node_id)
             links = service.planner.plan_for(service.roster.nodes[x.node_id]).links

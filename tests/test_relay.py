@@ -37,7 +37,7 @@ from swarm.net.relay import (
 from swarm.net.tls import Security
 from swarm.ops.metrics import Metrics
 from swarm.runtime.wire import GradientFrame
-from tests.hostile_relay import Tampered
+from tests.hostile_relay import Tampered, tampering
 from tests.procs import Proc, coordinator, free_port, node, processes, status, tiny_run, wait_status
 from tests.test_links import CLIENT, DOWN_PEER, SECRET, run, stage_server
 from tests.test_swarm import reference_run
@@ -137,6 +137,57 @@ def test_bad_headers_unpaired_diallers_and_a_full_parking_are_refused_and_counte
     assert answers == [b"", b"parked", b"", b"", b""]
     for reason, count in (("unpaired", 1), ("full", 1), ("bad_header", 2)):
         assert sample(server, "swarm_relay_refused_total", {"reason": reason}) == count, reason
+
+
+async def closed(reader: asyncio.StreamReader, wait_s: float = 5.0) -> bool:
+    """Whether the relay closed this connection (end of stream or reset) within ``wait_s`` without
+    sending anything."""
+    try:
+        return await asyncio.wait_for(reader.read(), wait_s) == b""
+    except ConnectionResetError:
+        return True
+    except TimeoutError:
+        return False
+
+
+def test_the_relay_splices_no_more_links_than_allowed():
+    """``links=1``: a second pair is refused although its acceptor is parked; the first still works."""
+
+    async def scenario() -> tuple[bool, bytes, RelayServer]:
+        async with RelayServer(RelayLimits(links=1)) as server:
+            port = await server.start()
+            first, second = os.urandom(32), os.urandom(32)
+            a_reader, a_writer = await connect(port, ROLE_ACCEPT, first)
+            _, d_writer = await connect(port, ROLE_DIAL, first)
+            assert await a_reader.readexactly(1) == GO
+            _, b_writer = await connect(port, ROLE_ACCEPT, second)
+            e_reader, _ = await connect(port, ROLE_DIAL, second)
+            refused = await closed(e_reader)
+            d_writer.write(b"still spliced")
+            await d_writer.drain()
+            through = await a_reader.readexactly(13)
+            for w in (a_writer, d_writer, b_writer):
+                w.close()
+            return refused, through, server
+
+    refused, through, server = run(scenario())
+    assert refused and through == b"still spliced"
+    assert sample(server, "swarm_relay_refused_total", {"reason": "full"}) == 1
+
+
+def test_the_relay_takes_no_more_connections_from_one_host_than_allowed():
+    async def scenario() -> tuple[list[bool], RelayServer]:
+        async with RelayServer(RelayLimits(per_host=2)) as server:
+            port = await server.start()
+            held = [await connect(port, ROLE_ACCEPT, os.urandom(32)) for _ in range(3)]
+            answers = [await closed(reader, 0.5) for reader, _ in held]
+            for _, writer in held:
+                writer.close()
+            return answers, server
+
+    answers, server = run(scenario())
+    assert answers == [False, False, True]  # two parked (nothing to read yet), the third closed
+    assert sample(server, "swarm_relay_refused_total", {"reason": "full"}) == 1
 
 
 def test_a_link_is_held_to_the_relays_rate():
@@ -243,10 +294,8 @@ def test_a_relay_that_alters_bytes_breaks_the_stream_but_delivers_nothing_corrup
 ):
     """TLS runs end to end through the relay: whatever it does to the bytes, the receiver either
     gets the frames exactly as sent or a broken stream (then the step fails and the epoch retries)."""
-    honest: Callable = relay.pipe
-    Tampered.done = False
-    tampered = lambda reader, *a, **k: honest(Tampered(reader, how, 20_000), *a, **k)  # noqa: E731
-    monkeypatch.setattr(relay, "pipe", tampered)
+    Tampered.done = False  # every pipe of this process alters the stream: relay, forwarder, acceptor
+    monkeypatch.setattr(relay, "pipe", tampering(how, 20_000))
     received, failures = run(relayed_stream(pki, 40, free_port()), timeout=60)
     assert Tampered.done and failures, (len(received), failures)
     assert len(received) < 40

@@ -3,9 +3,11 @@
 Both nodes of a relayed link dial the relay; it pairs their TCP connections by a rendezvous key
 and copies bytes between them. It never terminates TLS: the gRPC stream's TLS handshake (and,
 under mutual TLS, the certificate pinning of the plan) and the Hello's link secret run end to end
-through it, so a relay can stall or break a link but cannot read or alter what crosses it (a
-flipped byte fails the TLS record check and breaks the stream; under ``--insecure`` there is no
-such protection, as on any other path).
+through it, so under mutual TLS a relay can stall or break a link but cannot read or alter what
+crosses it (a flipped byte fails the TLS record check and breaks the stream). Under plain TLS
+the plan pins no certificate: a relay holding a node certificate could pose as either end (the
+coordinator takes volunteers' relays only under mutual TLS); under ``--insecure`` nothing is
+protected, as on any other path.
 
 Every connection to a relay starts with a fixed header, :data:`HEADER_BYTES` long: the magic
 ``b"SWRL"``, the protocol version, a role and the 32-byte key.
@@ -27,10 +29,12 @@ bound what one relay serves: spliced links, parked connections, bytes per second
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import hashlib
 import hmac
 import logging
+import resource
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -60,6 +64,7 @@ def rendezvous_key(link_secret: str, boundary: int, upstream: str, downstream: s
 
 
 def header(role: int, key: bytes = bytes(KEY_BYTES)) -> bytes:
+    """The first bytes of a connection to a relay: magic, version, ``role`` and ``key``."""
     if len(key) != KEY_BYTES:
         raise ValueError(f"a relay key is {KEY_BYTES} bytes, not {len(key)}")
     return MAGIC + bytes((VERSION, role)) + key
@@ -81,7 +86,7 @@ async def pipe(
             counted(len(data))
         if writer.can_write_eof():
             writer.write_eof()
-    except (ConnectionError, OSError):
+    except OSError:
         writer.close()
 
 
@@ -118,13 +123,16 @@ class _Pace:
 @dataclass(frozen=True)
 class RelayLimits:
     """What one relay serves at most: ``links`` spliced at once, ``parked`` acceptor connections
-    (``parked_per_key`` per link), ``link_mbps`` per link and direction (0: unlimited); how long a
+    (``parked_per_key`` per link), ``connections`` open in all (``per_host`` from one address: a
+    home router's nodes share one), ``link_mbps`` per link and direction (0: unlimited); how long a
     header may take (``header_s``), a dialler may wait for its acceptor (``pair_s``) and an
     acceptor may stay parked (``park_s``)."""
 
     links: int = 256
-    parked: int = 1024
+    parked: int = 512
     parked_per_key: int = 4
+    connections: int = 1536
+    per_host: int = 128
     link_mbps: float = 0.0
     header_s: float = 5.0
     pair_s: float = 10.0
@@ -141,8 +149,8 @@ class RelayMetrics:
         self.bytes = Counter("swarm_relay_bytes", "Bytes the relay copied between paired ends", registry=r)
         self.refused = Counter(
             "swarm_relay_refused",
-            "Relay connections closed unpaired: bad_header, full, unpaired (no acceptor in time), "
-            "expired (parked too long)",
+            "Relay connections closed unpaired: bad_header, full (a limit), unpaired (no acceptor "
+            "in time), expired (parked too long)",
             ["reason"],
             registry=r,
         )
@@ -166,11 +174,18 @@ class RelayServer:
         self._arrived = asyncio.Condition()
         self._server: asyncio.Server | None = None
         self._handlers: set[asyncio.Task] = set()
-        self._active = 0  # spliced pairs now
+        self._active = 0  # pairs claimed or spliced now (a claim reserves its slot)
+        self._parked_count = 0
+        self._per_host: collections.Counter[str] = collections.Counter()
         self.port = 0
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> int:
-        """Listen on ``host:port`` (0: a free port); the bound port."""
+        """Listen on ``host:port`` (0: a free port); the bound port. Raises this process's open-file
+        limit to its hard limit: every relayed link holds two sockets."""
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != hard:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
         self._server = await asyncio.start_server(self._handle, host, port)
         self.port = self._server.sockets[0].getsockname()[1]
         return self.port
@@ -193,17 +208,28 @@ class RelayServer:
 
     @property
     def parked(self) -> int:
-        return sum(map(len, self._parked.values()))
+        """Acceptor connections parked now."""
+        return self._parked_count
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        host = str(peer[0]) if peer else ""
+        if len(self._handlers) >= self.limits.connections or self._per_host[host] >= self.limits.per_host:
+            self._refuse("full")
+            writer.close()
+            return
         task = asyncio.current_task()
         self._handlers.add(task)
+        self._per_host[host] += 1
         try:
             await self._serve(reader, writer)
-        except (ConnectionError, OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
+        except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
             pass  # a handler is the top of its task: a peer's reset or close() ends it quietly
         finally:
             self._handlers.discard(task)
+            self._per_host[host] -= 1
+            if not self._per_host[host]:
+                del self._per_host[host]
             writer.close()
 
     def _refuse(self, reason: str) -> None:
@@ -230,12 +256,13 @@ class RelayServer:
     async def _park(self, key: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Hold an acceptor's connection until a dialler claims it (then splice the two), it hangs
         up, or ``park_s`` passes."""
-        waiting = self._parked.setdefault(key, [])
-        if len(waiting) >= self.limits.parked_per_key or self.parked >= self.limits.parked:
+        waiting = self._parked.get(key, [])
+        if len(waiting) >= self.limits.parked_per_key or self._parked_count >= self.limits.parked:
             self._refuse("full")
             return
         parked = _Parked(reader, writer)
-        waiting.append(parked)
+        self._parked[key] = [*waiting, parked]
+        self._parked_count += 1
         async with self._arrived:
             self._arrived.notify_all()
         hangup = asyncio.ensure_future(reader.read(1))  # an acceptor says nothing before GO
@@ -252,10 +279,8 @@ class RelayServer:
             if hangup.cancelled():  # still parked when park_s ran out (not hung up)
                 self._refuse("expired")
             return
-        dialler = parked.claim.result()
-        self._active += 1
+        dialler = parked.claim.result()  # the dialler's handler reserved the link's slot
         self.metrics.links.inc()
-        self.metrics.active.set(self._active)
         try:
             writer.write(GO)
             await writer.drain()
@@ -270,15 +295,13 @@ class RelayServer:
         waiting = self._parked.get(key, [])
         if parked in waiting:
             waiting.remove(parked)
+            self._parked_count -= 1
         if not waiting:
             self._parked.pop(key, None)
 
     async def _pair(self, key: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         """Hand a dialler to a parked acceptor of its key (waiting ``pair_s`` for one), whose
         handler splices the two; returns when the splice ends."""
-        if self._active >= self.limits.links:
-            self._refuse("full")
-            return
 
         def claimable() -> _Parked | None:
             return next((p for p in self._parked.get(key, []) if not p.claim.done()), None)
@@ -286,6 +309,11 @@ class RelayServer:
         try:
             async with self._arrived:
                 parked = await asyncio.wait_for(self._arrived.wait_for(claimable), self.limits.pair_s)
+                if self._active >= self.limits.links:
+                    self._refuse("full")
+                    return
+                self._active += 1  # reserved at the claim: waiting diallers cannot overshoot
+                self.metrics.active.set(self._active)
                 parked.claim.set_result((reader, writer))
         except TimeoutError:
             self._refuse("unpaired")
@@ -343,6 +371,7 @@ class RelayForwarder:
             self._tasks.discard(task)
 
     async def close(self) -> None:
+        """Stop listening and end every connection carried to the relay."""
         if self._server is not None:
             self._server.close()
         for task in list(self._tasks):
@@ -353,9 +382,14 @@ class RelayForwarder:
 class RelayAcceptor:
     """The accepting end of a relayed link: keeps one connection parked at ``relay`` under ``key``;
     each one a dialler is spliced to is connected to ``target`` (this node's Stage server) and a
-    fresh one is parked. A relay that cannot be reached is retried until :meth:`close`."""
+    fresh one is parked, at most ``MAX_SPLICED`` at once (a boundary needs one; more are retries or
+    someone else holding the key). A relay that cannot be reached is retried until :meth:`close`;
+    a parked connection that hears nothing for longer than the relay keeps it is parked anew (a
+    relay or NAT mapping that vanished silently)."""
 
     RETRY_S = (0.2, 5.0)  # first and longest wait between attempts to park
+    MAX_SPLICED = 4
+    PARKED_S = RelayLimits.park_s + 30.0
 
     def __init__(self, relay: str, key: bytes, target: str):
         self.relay, self.key, self.target = relay, key, target
@@ -363,14 +397,18 @@ class RelayAcceptor:
         self._spliced: set[asyncio.Task] = set()
 
     def start(self) -> None:
+        """Start parking (in the background, until :meth:`close`)."""
         self._task = asyncio.create_task(self._park_forever())
 
     async def _park_forever(self) -> None:
         wait = self.RETRY_S[0]
         while True:
+            if len(self._spliced) >= self.MAX_SPLICED:
+                await asyncio.wait(self._spliced, return_when=asyncio.FIRST_COMPLETED)
+                continue
             try:
                 paired = await self._park_one()
-            except (OSError, ValueError, asyncio.IncompleteReadError) as e:
+            except (OSError, ValueError, TimeoutError, asyncio.IncompleteReadError) as e:
                 log.debug("relay %s: parking failed: %s", self.relay, e)
                 paired = False
             if paired:
@@ -384,15 +422,15 @@ class RelayAcceptor:
         background); whether it was claimed."""
         host, port = split_host_port(self.relay)
         reader, writer = await asyncio.open_connection(host, port)
-        writer.write(header(ROLE_ACCEPT, self.key))
-        await writer.drain()
-        if await reader.read(1) != GO:  # the relay dropped it (expired, full, closing)
-            writer.close()
-            return False
-        local_host, local_port = split_host_port(self.target)
         try:
+            writer.write(header(ROLE_ACCEPT, self.key))
+            await writer.drain()
+            if await asyncio.wait_for(reader.read(1), self.PARKED_S) != GO:  # dropped: expired, full
+                writer.close()
+                return False
+            local_host, local_port = split_host_port(self.target)
             local = await asyncio.open_connection(local_host, local_port)
-        except OSError:
+        except BaseException:  # also cancelled by close(): the socket goes now, not at collection
             writer.close()
             raise
         task = asyncio.create_task(splice((reader, writer), local))
@@ -401,6 +439,7 @@ class RelayAcceptor:
         return True
 
     async def close(self) -> None:
+        """Stop parking and end every connection spliced through this end."""
         tasks = [t for t in (self._task, *self._spliced) if t is not None]
         for task in tasks:
             task.cancel()
