@@ -185,6 +185,13 @@ class EmulatedNetwork:
         self._need_control()
         return ["ip", "netns", "exec", self.control_ns]
 
+    def partition(self, i: int, j: int) -> None:
+        """Hosts ``i`` and ``j`` (not behind NAT) drop every packet between them; both still reach
+        everyone else."""
+        for a, b in ((i, j), (j, i)):
+            _in(self.hosts[a], IPTABLES, "-A", "INPUT", "-s", self.public_ip(b), "-j", "DROP")
+            _in(self.hosts[a], IPTABLES, "-A", "OUTPUT", "-d", self.public_ip(b), "-j", "DROP")
+
     def block_tcp_port(self, i: int, port: int) -> None:
         """Host ``i`` can no longer open TCP connections to ``port`` anywhere (a policy-routing
         rule: its connects fail at once, as behind a firewall that rejects them)."""

@@ -133,6 +133,7 @@ def join_command(
     name: str | None = None,
     use_dht: bool = True,
     metrics_port: int | None = None,
+    connect_timeout: float | None = None,
     security: Sequence[str] = (),
 ) -> list[str]:
     """A ``swarm-node join`` command line: the arguments after ``python -m swarm.node.cli`` (what
@@ -149,6 +150,7 @@ def join_command(
         "--link-latency-ms": link_latency_ms,
         "--name": name,
         "--metrics-port": metrics_port,
+        "--connect-timeout": connect_timeout,
     }
     return command_line("join", options, use_dht, security)
 

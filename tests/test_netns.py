@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +16,7 @@ import pytest
 from bench import peer
 from bench.netns import IFNAME, EmulatedNetwork, available, cleanup_stale, list_namespaces, nat_available
 from bench.throughput import Link
-from swarm.core.config import MODEL_PRESETS, CodecConfig, RunConfig, TrainConfig
+from swarm.core.config import MODEL_PRESETS, CheckpointConfig, CodecConfig, RunConfig, TrainConfig
 from swarm.launch.local_swarm import SwarmSummary, up
 from tests.test_swarm import reference_run
 
@@ -101,8 +103,9 @@ def tbf_sent_bytes(ns: str) -> int:
     return int(re.search(r"Sent (\d+) bytes", stats.stdout).group(1))
 
 
-def swarm_in(net: EmulatedNetwork, config: RunConfig, run: Path, relay: bool = False) -> SwarmSummary:
-    """``config`` on one node per stage, each on its host of ``net``, the coordinator on its control host."""
+def swarm_in(net: EmulatedNetwork, config: RunConfig, run: Path, **options) -> SwarmSummary:
+    """``config`` on nodes each on its host of ``net`` (one per stage unless ``options`` say more),
+    the coordinator on its control host."""
     return up(
         config,
         run,
@@ -113,7 +116,7 @@ def swarm_in(net: EmulatedNetwork, config: RunConfig, run: Path, relay: bool = F
         node_host=net.host_ip,
         coordinator_prefix=net.control_prefix,
         coordinator_host=net.control_ip,
-        relay=relay,
+        **options,
     )
 
 
@@ -197,3 +200,46 @@ def test_two_nated_and_two_public_hosts_need_no_relay(tmp_path: Path):
     logs = "".join(node_logs(tmp_path / "run", 4, "log"))
     assert "through relay" not in logs
     assert len(re.findall(r"dialled stage \d at 10\.213\.0\.[2-5]:\d+", logs)) == 3, logs
+
+
+@pytest.mark.skipif(not NAT_OK, reason=NAT_REASON)
+def test_a_partition_between_two_live_neighbours_is_placed_around(tmp_path: Path):
+    """Mid-run, the hosts of the two stage nodes start dropping every packet between them; both
+    still reach the coordinator and heartbeat. Their link fails in two consecutive epochs and the
+    standby takes one end's place (before, the same plan restarted for as long as the partition
+    lasted); the run completes with the single-process losses."""
+    config = RunConfig(
+        model=dataclasses.replace(MODEL_PRESETS["tiny"]),
+        codec=CodecConfig(kind="subspace"),
+        train=tiny_train(steps=40),
+        checkpoint=CheckpointConfig(interval=5),
+        n_stages=2,
+    )
+    run = tmp_path / "run"
+    with EmulatedNetwork(3, 50, prefix="swstest", control=True) as net:
+        options = {"nodes": 2, "standbys": 1, "connect_timeout": 8, "link_latency_ms": 20}
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            swarm = pool.submit(swarm_in, net, config, run, **options)
+            hosts = wait_for_hosts(run, 3, 2, swarm)
+            net.partition(*hosts)
+            partitioned_at = time.monotonic()
+            summary = swarm.result(timeout=300)
+    assert_same_losses(summary, reference_run(config, tmp_path / "cache")[0])
+    coordinator = (run / "coordinator.err").read_text()
+    assert "failed in two consecutive epochs: placing around it" in coordinator, coordinator[-3000:]
+    print(f"MEASURED partition: the run ended {time.monotonic() - partitioned_at:.1f} s after it began")
+
+
+def wait_for_hosts(run: Path, n: int, count: int, swarm: concurrent.futures.Future) -> list[int]:
+    """The indices of the first ``count`` nodes (of ``n``) that print which stages they host."""
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline and not swarm.done():
+        hosting = [i for i in range(n) if "hosts stages [" in read(run / f"node{i}.log")]
+        if len(hosting) >= count:
+            return hosting[:count]
+        time.sleep(0.1)
+    raise AssertionError(f"fewer than {count} nodes hosted a stage: {swarm.done() and swarm.result()}")
+
+
+def read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""

@@ -181,6 +181,7 @@ def up(
     tls: bool = False,
     dial_only: int = 0,
     relay: bool = False,
+    connect_timeout: float | None = None,
 ) -> SwarmSummary:
     """Run ``config`` on a local swarm; returns when every node has finished (or raises).
 
@@ -195,7 +196,8 @@ def up(
     in ``run_dir/certs`` and mutual TLS on every channel; otherwise clear text (``--insecure``
     where an address is not loopback). ``dial_only``: the first that many nodes accept no inbound
     stream (``--listen ''``, as behind NAT); ``relay``: the coordinator runs a relay for the links
-    between such nodes (``--relay-port``).
+    between such nodes (``--relay-port``). ``connect_timeout``: how long a node waits for a
+    boundary stream to open before its epoch fails (None: the node's default).
     """
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -223,6 +225,7 @@ def up(
             launch_prefix,
             node_host,
             dial_only=dial_only,
+            connect_timeout=connect_timeout,
         )
         for _ in range(nodes + standbys):
             swarm.start()
@@ -317,6 +320,7 @@ class _Nodes:
     prefix: Callable[[int], list[str]] | None = None
     host: Callable[[int], str] | None = None
     dial_only: int = 0  # the first that many nodes accept no inbound stream
+    connect_timeout: float | None = None
     procs: list[subprocess.Popen] = field(default_factory=list)
     killed: set[int] = field(default_factory=set)
 
@@ -336,6 +340,7 @@ class _Nodes:
             name=f"node{i}",
             use_dht=self.launch.use_dht,
             metrics_port=self.metrics_port(i),
+            connect_timeout=self.connect_timeout,
             security=self.launch.flags(f"node{i}"),
         )
         prefix = self.prefix(i) if self.prefix else []
