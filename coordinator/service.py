@@ -307,8 +307,31 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if not answered and peer.alive:
             log.info("node %s does not answer after a failure report: declared dead", peer.id[:8])
             self.planner.evict(peer)
-        elif peer is None or not self.planner.link_failed(request.node_id, peer.id, request.plan_epoch):
+            return
+        if peer is not None and self.planner.link_failed(request.node_id, peer.id, request.plan_epoch):
+            return  # the pair failed in two consecutive epochs: placed around it (a new epoch)
+        # The accused answers: its own failure may come from a host that died elsewhere in the
+        # pipeline (a step fails at every stage), whose own report would arrive too late, as a report
+        # of an epoch already replaced. Find that host now rather than restart twice.
+        if not await self._evict_silent_hosts({request.node_id, request.peer_node_id}, request.plan_epoch):
             self.planner.new_epoch(f"node {request.node_id[:8]}: {request.reason}")
+
+    async def _evict_silent_hosts(self, cleared: set[str], epoch: int) -> bool:
+        """Ping every other reachable stage host of ``epoch`` (concurrently) and evict those that are
+        dead (:meth:`Roster.answers`); whether one was (its eviction started the next epoch)."""
+        hosts = [
+            node
+            for node in self.roster.nodes.values()
+            if node.alive and node.stages and node.reachable and node.id not in cleared
+        ]
+        answers = await asyncio.gather(*(self.roster.answers(n, self.security) for n in hosts))
+        dead = [n for n, ok in zip(hosts, answers, strict=True) if not ok and n.alive]
+        if self.progress.run_complete or epoch != self.ledger.plan_epoch:
+            return True  # the epoch moved on meanwhile: nothing left to start
+        for node in dead:
+            log.info("node %s does not answer after a neighbour's failure: declared dead", node.id[:8])
+            self.planner.evict(node)
+        return bool(dead)
 
     # -- run configuration and artifacts ------------------------------------------------------
 

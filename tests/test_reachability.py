@@ -412,3 +412,37 @@ def test_a_relay_a_volunteer_offers_is_used_while_it_is_in_the_run(tmp_path: Pat
     assert f"the relay offered at {offered} answers" in offered_ok
     assert "does not answer: not used" in offered_dead
     assert alive_after == []
+
+
+def test_a_failure_reported_between_live_nodes_finds_the_host_that_died_elsewhere(tmp_path: Path, caplog):
+    """Stage 0's host dies; stage 2 reports its link to stage 1 broken first (stage 1 failed the step
+    because of stage 0 and closed its streams). Stage 1 answers, so instead of restarting the same
+    plan (and restarting again once stage 0's death is noticed: two restarts for one kill), the
+    coordinator pings the other hosts, finds stage 0's dead and starts one epoch without it."""
+
+    async def scenario() -> tuple[bool, int, int]:
+        service = CoordinatorService(
+            tiny_config(n_stages=3), TOKEN, tmp_path / "state.sqlite", None, Metrics("coordinator"), []
+        )
+        async with CoordinatorServer(service) as server, contextlib.AsyncExitStack() as stack:
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+            stack.push_async_callback(channel.close)
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            joined, servers = {}, {}
+            for name in "abc":
+                servers[name] = StageServer()
+                joined[name] = await stub.Join(
+                    join_request(name, await servers[name].__aenter__()), timeout=10
+                )
+            for name in "bc":
+                stack.push_async_callback(servers[name].__aexit__, None, None, None)
+            await servers["a"].__aexit__(None, None, None)  # stage 0's host is gone
+            before = service.ledger.plan_epoch
+            with caplog.at_level(logging.INFO, logger="swarm.coordinator"):
+                await report_failure(stub, service, joined["c"], joined["b"].node_id)
+            return service.roster.nodes[joined["a"].node_id].alive, before, service.ledger.plan_epoch
+
+    a_alive, before, after = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert not a_alive and after == before + 1
+    assert "does not answer after a neighbour's failure: declared dead" in caplog.text
+    assert "stage owners changed" in caplog.text
