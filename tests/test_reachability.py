@@ -254,6 +254,25 @@ def test_a_dial_only_join_that_fits_nowhere_is_shown_as_a_plan_problem(tmp_path:
     assert [n["inbound"] for n in status_document(status)["nodes"]] == ["dial-only", "dial-only"]
 
 
+async def serving_coordinator(
+    stack: contextlib.AsyncExitStack, folder: Path, n_stages: int, settings: CoordinatorSettings | None = None
+) -> tuple[CoordinatorService, coordinator_pb2_grpc.CoordinatorStub]:
+    """A coordinator of a tiny run serving on loopback until ``stack`` closes, and a stub to it."""
+    service = CoordinatorService(
+        tiny_config(n_stages=n_stages),
+        TOKEN,
+        folder / "state.sqlite",
+        None,
+        Metrics("coordinator"),
+        [],
+        settings,
+    )
+    server = await stack.enter_async_context(CoordinatorServer(service))
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+    stack.push_async_callback(channel.close)
+    return service, coordinator_pb2_grpc.CoordinatorStub(channel)
+
+
 async def report_failure(stub, service: CoordinatorService, reporter: cpb.JoinReply, peer_id: str) -> None:
     """``reporter`` tells the coordinator its planned link to ``peer_id`` broke in the current epoch."""
     report = cpb.FailureReport(
@@ -271,13 +290,8 @@ def test_a_link_that_fails_in_two_consecutive_epochs_is_placed_around(tmp_path: 
     restarts the same plan, the second gives c's stage to the standby instead."""
 
     async def scenario() -> tuple[list[dict[str, list[int]]], list[int]]:
-        service = CoordinatorService(
-            tiny_config(n_stages=3), TOKEN, tmp_path / "state.sqlite", None, Metrics("coordinator"), []
-        )
-        async with CoordinatorServer(service) as server, contextlib.AsyncExitStack() as stack:
-            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-            stack.push_async_callback(channel.close)
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        async with contextlib.AsyncExitStack() as stack:
+            service, stub = await serving_coordinator(stack, tmp_path, 3)
             joined = {}
             for name in "abcs":
                 address = await stack.enter_async_context(StageServer())
@@ -332,19 +346,7 @@ def test_a_pair_that_cannot_be_placed_apart_runs_through_a_relay(tmp_path: Path)
         async with RelayServer() as relay, contextlib.AsyncExitStack() as stack:
             relay_address = f"127.0.0.1:{await relay.start()}"
             settings = CoordinatorSettings(relays=(relay_address,))
-            service = CoordinatorService(
-                tiny_config(n_stages=2),
-                TOKEN,
-                tmp_path / "state.sqlite",
-                None,
-                Metrics("coordinator"),
-                [],
-                settings,
-            )
-            server = await stack.enter_async_context(CoordinatorServer(service))
-            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-            stack.push_async_callback(channel.close)
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            service, stub = await serving_coordinator(stack, tmp_path, 2, settings)
             joined = {}
             for name in "ab":
                 address = await stack.enter_async_context(StageServer())
@@ -379,13 +381,7 @@ def test_a_relay_a_volunteer_offers_is_used_while_it_is_in_the_run(tmp_path: Pat
     async def scenario() -> tuple[list[str], list[str], str, str, list[str]]:
         async with RelayServer() as relay, contextlib.AsyncExitStack() as stack:
             offered = f"127.0.0.1:{await relay.start()}"
-            service = CoordinatorService(
-                tiny_config(n_stages=2), TOKEN, tmp_path / "state.sqlite", None, Metrics("coordinator"), []
-            )
-            server = await stack.enter_async_context(CoordinatorServer(service))
-            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-            stack.push_async_callback(channel.close)
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            service, stub = await serving_coordinator(stack, tmp_path, 2)
             joined = {}
             for name, relay_address in (("x", ""), ("v", offered), ("w", f"127.0.0.1:{free_port()}")):
                 request = join_request(name, await stack.enter_async_context(StageServer()))
@@ -421,13 +417,8 @@ def test_a_failure_reported_between_live_nodes_finds_the_host_that_died_elsewher
     coordinator pings the other hosts, finds stage 0's dead and starts one epoch without it."""
 
     async def scenario() -> tuple[bool, int, int]:
-        service = CoordinatorService(
-            tiny_config(n_stages=3), TOKEN, tmp_path / "state.sqlite", None, Metrics("coordinator"), []
-        )
-        async with CoordinatorServer(service) as server, contextlib.AsyncExitStack() as stack:
-            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-            stack.push_async_callback(channel.close)
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+        async with contextlib.AsyncExitStack() as stack:
+            service, stub = await serving_coordinator(stack, tmp_path, 3)
             joined, servers = {}, {}
             for name in "abc":
                 servers[name] = StageServer()
