@@ -122,6 +122,7 @@ def markdown(r: dict) -> str:
         *_peer_section(r),
         *_paper_scale_section(r),
         *_churn_section(r),
+        *_replica_churn_section(r),
         *_multihost_section(r),
         *_generation_section(r),
         *_averaging_section(r),
@@ -241,20 +242,26 @@ def _relay_section(r: dict) -> list[str]:
     ]
 
 
-def _churn_section(r: dict) -> list[str]:
-    if "churn" not in r:
+def _replica_churn_section(r: dict) -> list[str]:
+    if "replica_churn" not in r:
         return []
-    plan = r["plan"]["churn"]
+    plan = r["plan"]["replica_churn"]
     return [
-        "## Churn: a random stage host killed (kill -9) every few seconds",
-        f"{plan['n_stages']} stages + {plan['standbys']} standby (a fresh node joins for each one "
-        f"killed), snapshot cut every {plan['checkpoint_interval']} steps, death timeout "
-        f"{plan['dead_after_s']:.0f} s, {plan['link_latency_ms']:.0f} ms one-way delay. Tokens/s over "
-        "the whole run (wall clock, so recoveries count); recovery: kill to the first redone step "
-        "completing again.",
+        "## Churn with replicas: every stage on two nodes, a random one killed every few seconds",
+        f"{plan['n_stages']} stages x {plan['replicas']} replicas (averaging every step over hivemind) "
+        f"+ {plan['standbys']} spare node (a fresh node joins for each one killed), a cut every "
+        f"{plan['checkpoint_interval']} steps. A kill still rolls the whole pipeline back to the last "
+        "cut, even when the dead node's stage has a live replica: the goal (>= 85% retained, <= 1 step "
+        "redone per failure) needs that to change.",
         "",
+        *_churn_table(r["replica_churn"]),
+    ]
+
+
+def _churn_table(rows: list[dict]) -> list[str]:
+    return [
         _table(
-            r["churn"],
+            rows,
             [
                 ("churn", "churn", ""),
                 ("tokens/s", "tokens_per_s", ".0f"),
@@ -267,6 +274,22 @@ def _churn_section(r: dict) -> list[str]:
             ],
         ),
         "",
+    ]
+
+
+def _churn_section(r: dict) -> list[str]:
+    if "churn" not in r:
+        return []
+    plan = r["plan"]["churn"]
+    return [
+        "## Churn: a random stage host killed (kill -9) every few seconds",
+        f"{plan['n_stages']} stages + {plan['standbys']} standby (a fresh node joins for each one "
+        f"killed), snapshot cut every {plan['checkpoint_interval']} steps, death timeout "
+        f"{plan['dead_after_s']:.0f} s, {plan['link_latency_ms']:.0f} ms one-way delay. Tokens/s over "
+        "the whole run (wall clock, so recoveries count); recovery: kill to the first redone step "
+        "completing again.",
+        "",
+        *_churn_table(r["churn"]),
     ]
 
 

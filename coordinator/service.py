@@ -308,12 +308,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             log.info("node %s does not answer after a failure report: declared dead", peer.id[:8])
             self.planner.evict(peer)
             return
-        if peer is not None and self.planner.link_failed(request.node_id, peer.id, request.plan_epoch):
+        if peer is None or not self.planner.neighbours(request.node_id, peer.id):
+            self.planner.new_epoch(f"node {request.node_id[:8]}: {request.reason}")
+            return
+        if self.planner.link_failed(request.node_id, peer.id, request.plan_epoch):
             return  # the pair failed in two consecutive epochs: placed around it (a new epoch)
         # The accused answers: its own failure may come from a host that died elsewhere in the
         # pipeline (a step fails at every stage), whose own report would arrive too late, as a report
         # of an epoch already replaced. Find that host now rather than restart twice.
-        if not await self._evict_silent_hosts({request.node_id, request.peer_node_id}, request.plan_epoch):
+        if not await self._evict_silent_hosts({request.node_id, peer.id}, request.plan_epoch):
             self.planner.new_epoch(f"node {request.node_id[:8]}: {request.reason}")
 
     async def _evict_silent_hosts(self, cleared: set[str], epoch: int) -> bool:
