@@ -22,7 +22,7 @@ from hivemind.p2p import P2P
 from swarm.node.replica_averaging import ReplicaGroup, Sibling
 from swarm.node.schedule import StepCounts
 
-from bench.averaging import loopback_peers
+from bench.averaging import PATIENT, loopback_peers
 from swarm.core.config import (
     CheckpointConfig,
     DataConfig,
@@ -95,7 +95,7 @@ def train_replicas(
     async def scenario() -> list[ReplicaGroup]:
         p2ps = await loopback_peers(len(workers))
         try:
-            members = [ReplicaAverager(p, "stage-0") for p in p2ps]
+            members = [ReplicaAverager(p, "stage-0", **PATIENT) for p in p2ps]
             for m in members:
                 await m.start()
             groups = await connected_groups(p2ps, members, [len(mbs) for mbs in dealt], "bench/1/0")
