@@ -7,10 +7,6 @@ place, so a standby is always there). Reported: tokens/s over the whole run (wal
 process start to end, so the time lost to recoveries counts) and the fraction the churned
 run retains; per failure the recovery time (kill to the first redone step completing
 again) and the steps redone (progress at the kill minus the checkpoint cut it resumed from).
-
-With ``replicas > 1`` every stage has that many replicas (the standbys that join become replicas,
-averaging over hivemind, so the DHT is on) plus one spare node: what losing a replica costs while
-its siblings hold the same state.
 """
 
 from __future__ import annotations
@@ -33,13 +29,12 @@ class ChurnPlan:
     standbys: int = 1
     dead_after_s: float = 4.0
     link_latency_ms: float = 10.0
-    replicas: int = 1
 
 
 def run(p: ChurnPlan) -> list[dict]:
     config = RunConfig(
         model=p.model,
-        train=dataclasses.replace(p.train, replicas=p.replicas),
+        train=p.train,
         data=DataConfig(tokenizer="byte"),
         checkpoint=CheckpointConfig(interval=p.checkpoint_interval),
         n_stages=p.n_stages,
@@ -50,19 +45,18 @@ def run(p: ChurnPlan) -> list[dict]:
             s = up(
                 config,
                 Path(tmp) / "run",
-                standbys=p.standbys + (p.replicas - 1) * p.n_stages,
+                standbys=p.standbys,
                 link_latency_ms=p.link_latency_ms,
                 dead_after=p.dead_after_s,
                 progress=False,
                 timeout=1800,
                 chaos_s=chaos_s,
-                use_dht=p.replicas > 1,
+                use_dht=False,
             )
         chaos = s.chaos or {"kills": 0, "recovered": 0}
         rows.append(
             {
                 "churn": f"kill -9 every {chaos_s:.0f} s" if chaos_s else "none",
-                "replicas": p.replicas,
                 "steps": s.steps,
                 "seconds": s.seconds,
                 "tokens_per_s": s.tokens / s.seconds,

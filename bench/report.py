@@ -122,7 +122,6 @@ def markdown(r: dict) -> str:
         *_peer_section(r),
         *_paper_scale_section(r),
         *_churn_section(r),
-        *_replica_churn_section(r),
         *_multihost_section(r),
         *_generation_section(r),
         *_averaging_section(r),
@@ -239,22 +238,6 @@ def _relay_section(r: dict) -> list[str]:
         f"{cpu['megabytes_per_s']:.0f} MB/s, using {cpu['relay_cpu_seconds_per_gb']:.2f} CPU seconds "
         "per GB relayed (user + system). A relayed byte also crosses the relay host's link twice.",
         "",
-    ]
-
-
-def _replica_churn_section(r: dict) -> list[str]:
-    if "replica_churn" not in r:
-        return []
-    plan = r["plan"]["replica_churn"]
-    return [
-        "## Churn with replicas: every stage on two nodes, a random one killed every few seconds",
-        f"{plan['n_stages']} stages x {plan['replicas']} replicas (averaging every step over hivemind) "
-        f"+ {plan['standbys']} spare node (a fresh node joins for each one killed), a cut every "
-        f"{plan['checkpoint_interval']} steps. A kill still rolls the whole pipeline back to the last "
-        "cut, even when the dead node's stage has a live replica: the goal (>= 85% retained, <= 1 step "
-        "redone per failure) needs that to change.",
-        "",
-        *_churn_table(r["replica_churn"]),
     ]
 
 

@@ -60,7 +60,6 @@ class BenchPlan:
     shaper: str = "netns"
     peer: bool = True
     churn: churn.ChurnPlan | None = None
-    replica_churn: churn.ChurnPlan | None = None
     multihost: multihost.MultiHostPlan | None = None
     multihost_codecs: list[str] = field(default_factory=lambda: ["dense bf16", "subspace bf16"])
     generation: generation.GenerationPlan | None = None
@@ -165,14 +164,6 @@ def plan(quick: bool) -> BenchPlan:
             n_stages=4,
             kill_every_s=20,
             checkpoint_interval=10,
-        ),
-        replica_churn=churn.ChurnPlan(
-            model=MODEL_PRESETS["tiny"],
-            train=TrainConfig(steps=300, batch_size=8, seq_len=64, microbatches=4),
-            n_stages=3,
-            kill_every_s=20,
-            checkpoint_interval=10,
-            replicas=2,
         ),
         multihost=multihost.MultiHostPlan(
             small, TrainConfig(steps=20, batch_size=8, seq_len=128, microbatches=2), mbps=100
@@ -301,8 +292,6 @@ def sections(p: BenchPlan, quick: bool, cache: Path | None = None) -> dict[str, 
         out["paper_scale"] = lambda: _paper_scale(p)
     if p.churn is not None:
         out["churn"] = lambda: churn.run(p.churn)
-    if p.replica_churn is not None:
-        out["replica_churn"] = lambda: churn.run(p.replica_churn)
     if p.multihost is not None:
         out["multihost"] = lambda: _multihost(p)
     if p.generation is not None:
