@@ -91,12 +91,20 @@ class Planner:
         did not open in ``epoch``. The second epoch in a row, the pair counts as unable to connect
         and the stages are placed around it where some placement can (a standby, else another
         stage's node, takes one end's place); whether that started a new epoch."""
-        if not any(link.peer_node_id == peer_id for link in self._links(node_id)):
+        link = next((x for x in self._links(node_id) if x.peer_node_id == peer_id), None)
+        if link is None:
             return False  # not a link of this plan (replicas average over their P2P)
         pair = frozenset((node_id, peer_id))
         again, self._failed[pair] = self._failed.get(pair) == epoch - 1, epoch
         if not again:
             return False
+        if link.relay_address:
+            up, down = (node_id, peer_id) if link.local_stage == link.boundary else (peer_id, node_id)
+            self.relays.avoid(up, down, link.relay_address)
+            log.warning(
+                "the relayed link failed twice through %s: another relay where one answers",
+                link.relay_address,
+            )
         log.warning(
             "the link between nodes %s and %s failed in two consecutive epochs: placing around it",
             node_id[:8],

@@ -39,6 +39,7 @@ class RelayPool:
     def __init__(self, relays: list[Relay] | None = None):
         self.relays = list(relays or [])
         self.alive: list[str] = []  # planned addresses, in the order given
+        self._avoided: dict[tuple[str, str], set[str]] = {}  # (upstream, downstream) -> relays that failed it
         self._probing = asyncio.Lock()  # one probe at a time: a slow one cannot undo a newer one
 
     def add(self, relay: Relay) -> None:
@@ -56,9 +57,17 @@ class RelayPool:
         return answering
 
     def choose(self, upstream: str, downstream: str) -> str:
-        """The relay for the link between two nodes ("" when none answers)."""
+        """The relay for the link between two nodes ("" when none answers): one that has not failed
+        this pair, else (all have) any that answers."""
+        avoided = self._avoided.get((upstream, downstream), set())
+        candidates = [r for r in self.alive if r not in avoided] or self.alive
         pair = f"{upstream}|{downstream}|"
-        return max(self.alive, key=lambda r: zlib.crc32((pair + r).encode()), default="")
+        return max(candidates, key=lambda r: zlib.crc32((pair + r).encode()), default="")
+
+    def avoid(self, upstream: str, downstream: str, relay: str) -> None:
+        """The pair's link failed through ``relay`` in two consecutive epochs although the relay
+        answers pings (full, or not splicing): choose another for this pair while there is one."""
+        self._avoided.setdefault((upstream, downstream), set()).add(relay)
 
     async def probe(self) -> bool:
         """Ping every relay (concurrently, each bounded by the ping's timeout); whether the

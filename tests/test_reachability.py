@@ -437,3 +437,32 @@ def test_a_failure_reported_between_live_nodes_finds_the_host_that_died_elsewher
     assert not a_alive and after == before + 1
     assert "does not answer after a neighbour's failure: declared dead" in caplog.text
     assert "stage owners changed" in caplog.text
+
+
+def test_a_relayed_link_that_fails_twice_moves_to_another_relay(tmp_path: Path):
+    """Two dial-only nodes, two relays that both answer pings: the link fails through the first in
+    two consecutive epochs (a relay that answers but does not splice), so the next plan routes it
+    through the other one."""
+
+    async def scenario() -> tuple[str, str, set[str]]:
+        async with RelayServer() as r1, RelayServer() as r2, contextlib.AsyncExitStack() as stack:
+            relays = {f"127.0.0.1:{await r.start()}" for r in (r1, r2)}
+            service, stub = await serving_coordinator(
+                stack, tmp_path, 2, CoordinatorSettings(relays=tuple(sorted(relays)))
+            )
+            a = await stub.Join(join_request("a", ""), timeout=10)
+            b = await stub.Join(join_request("b", ""), timeout=10)
+            while len(service.relays.alive) < 2:
+                await asyncio.sleep(0.05)
+
+            def relay() -> str:
+                (link,) = service.planner.plan_for(service.roster.nodes[a.node_id]).links
+                return link.relay_address
+
+            first = relay()
+            for _ in range(2):
+                await report_failure(stub, service, a, b.node_id)
+            return first, relay(), relays
+
+    first, then, relays = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert first in relays and then in relays and then != first
