@@ -285,6 +285,13 @@ def stages_of(owners: Owners, node_id: str) -> list[int]:
     return [s for s, hosts in enumerate(owners) if node_id in hosts]
 
 
+def link_ends(node_id: str, link: coordinator_pb2.BoundaryLink) -> tuple[str, str]:
+    """The (upstream, downstream) nodes of ``link`` in ``node_id``'s dial plan."""
+    if link.local_stage == link.boundary:
+        return node_id, link.peer_node_id
+    return link.peer_node_id, node_id
+
+
 def links_for(
     node_id: str,
     owners: Owners,

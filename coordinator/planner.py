@@ -24,6 +24,7 @@ from swarm.coordinator.assignment import (
     Owners,
     Reach,
     add_replicas,
+    link_ends,
     links_for,
     place,
     unconnectable,
@@ -99,8 +100,7 @@ class Planner:
         if not again:
             return False
         if link.relay_address:
-            up, down = (node_id, peer_id) if link.local_stage == link.boundary else (peer_id, node_id)
-            self.relays.avoid(up, down, link.relay_address)
+            self.relays.avoid(*link_ends(node_id, link), link.relay_address)
             log.warning(
                 "the relayed link failed twice through %s: another relay where one answers",
                 link.relay_address,
@@ -199,9 +199,9 @@ class Planner:
         nodes, reach = self.roster.nodes, self.roster.reach()
         return [
             f"boundary {b}: {nodes[up].name or up[:8]} -> {nodes[down].name or down[:8]} "
-            f"through relay {self.relays.choose(up, down)}"
+            f"through relay {relay}"
             for b, up, down in unconnectable(self.roster.owners(), reach)
-            if self.relays.choose(up, down)
+            if (relay := self.relays.choose(up, down))
         ]
 
     def _show_problems(self, problems: list[str]) -> None:
@@ -240,11 +240,7 @@ class Planner:
         links = links_for(node_id, self.roster.owners(), self.roster.addresses(), relay_of)
         for link in links:
             if link.peer_node_id:
-                b = link.boundary
-                up, down = (
-                    (node_id, link.peer_node_id) if link.local_stage == b else (link.peer_node_id, node_id)
-                )
-                link.link_secret = self.ledger.link_secret(b, up, down)
+                link.link_secret = self.ledger.link_secret(link.boundary, *link_ends(node_id, link))
                 link.peer_certificate = self.roster.certificate_of.get(link.peer_node_id, "")
         return links
 

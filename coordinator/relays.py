@@ -46,15 +46,11 @@ class RelayPool:
         """Plan with ``relay`` too, once it answers a :meth:`probe`."""
         self.relays.append(relay)
 
-    def drop(self, owner: str) -> bool:
-        """Forget the relays ``owner`` offered (it left the run); whether any was answering."""
+    def drop(self, owner: str) -> None:
+        """Forget the relays ``owner`` offered (it left the run)."""
         gone = {r.planned for r in self.relays if r.owner == owner}
-        if not gone:
-            return False
         self.relays = [r for r in self.relays if r.owner != owner]
-        answering = bool(gone & set(self.alive))
         self.alive = [a for a in self.alive if a not in gone]
-        return answering
 
     def choose(self, upstream: str, downstream: str) -> str:
         """The relay for the link between two nodes ("" when none answers): one that has not failed

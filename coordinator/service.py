@@ -64,7 +64,6 @@ from swarm.io.artifacts import CHUNK_BYTES, matrix_to_bytes
 from swarm.net.channel import server_options
 from swarm.net.health import Health
 from swarm.net.netaddr import split_host_port
-from swarm.net.relay import ping
 from swarm.net.tls import INSECURE, Security
 from swarm.ops.metrics import Metrics
 
@@ -232,10 +231,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         host = split_host_port(address)[0] if ":" in address else ""
         if not node.address or host != split_host_port(node.address)[0]:
             return f"the relay offered at {address} is not used: it must be on the announced host"
-        if not await ping(address):
+        await self.add_relay(Relay(address, address, owner=node.id))
+        if address not in self.relays.alive:
+            self.relays.drop(node.id)
             log.warning("node %s offers a relay at %s that does not answer: not used", node.id[:8], address)
             return f"the relay offered at {address} does not answer: not used"
-        await self.add_relay(Relay(address, address, owner=node.id))
         log.info("node %s relays at %s", node.id[:8], address)
         return f"the relay offered at {address} answers: links may run through it"
 

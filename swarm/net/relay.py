@@ -35,7 +35,7 @@ import hashlib
 import hmac
 import logging
 import resource
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
@@ -164,6 +164,42 @@ class _Parked:
     done: asyncio.Future = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
 
+class _Listener:
+    """An asyncio server whose every connection handler runs as a tracked task, so that closing the
+    server also ends the connections it is handling (a handler is the top of its task: being
+    cancelled ends it quietly)."""
+
+    def __init__(self, handle: Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]):
+        self._handle = handle
+        self._server: asyncio.Server | None = None
+        self.handling: set[asyncio.Task] = set()
+
+    async def start(self, host: str, port: int) -> int:
+        """Listen on ``host:port`` (0: a free port); the bound port."""
+        self._server = await asyncio.start_server(self._tracked, host, port)
+        return self._server.sockets[0].getsockname()[1]
+
+    async def _tracked(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        self.handling.add(task)
+        try:
+            await self._handle(reader, writer)
+        except asyncio.CancelledError:
+            pass
+        finally:
+            self.handling.discard(task)
+
+    async def close(self) -> None:
+        """Stop listening and end every connection being handled."""
+        if self._server is not None:
+            self._server.close()
+        for task in list(self.handling):
+            task.cancel()
+        await asyncio.gather(*self.handling, return_exceptions=True)
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
 class RelayServer:
     """The relay: pairs dialling and parked connections by key and splices them (see the module)."""
 
@@ -172,8 +208,7 @@ class RelayServer:
         self.metrics = metrics or RelayMetrics(CollectorRegistry())
         self._parked: dict[bytes, list[_Parked]] = {}
         self._arrived = asyncio.Condition()
-        self._server: asyncio.Server | None = None
-        self._handlers: set[asyncio.Task] = set()
+        self._listener = _Listener(self._handle)
         self._active = 0  # pairs claimed or spliced now (a claim reserves its slot)
         self._parked_count = 0
         self._per_host: collections.Counter[str] = collections.Counter()
@@ -186,19 +221,12 @@ class RelayServer:
         if soft != hard:
             with contextlib.suppress(ValueError, OSError):
                 resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-        self._server = await asyncio.start_server(self._handle, host, port)
-        self.port = self._server.sockets[0].getsockname()[1]
+        self.port = await self._listener.start(host, port)
         return self.port
 
     async def close(self) -> None:
         """Stop listening and drop every parked and spliced connection."""
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._handlers):
-            task.cancel()
-        await asyncio.gather(*self._handlers, return_exceptions=True)
-        if self._server is not None:
-            await self._server.wait_closed()
+        await self._listener.close()
 
     async def __aenter__(self) -> RelayServer:
         return self
@@ -214,19 +242,20 @@ class RelayServer:
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
         host = str(peer[0]) if peer else ""
-        if len(self._handlers) >= self.limits.connections or self._per_host[host] >= self.limits.per_host:
+        # this connection's own handler is already among those handled
+        if (
+            len(self._listener.handling) > self.limits.connections
+            or self._per_host[host] >= self.limits.per_host
+        ):
             self._refuse("full")
             writer.close()
             return
-        task = asyncio.current_task()
-        self._handlers.add(task)
         self._per_host[host] += 1
         try:
             await self._serve(reader, writer)
-        except (OSError, asyncio.IncompleteReadError, asyncio.CancelledError):
-            pass  # a handler is the top of its task: a peer's reset or close() ends it quietly
+        except (OSError, asyncio.IncompleteReadError):
+            pass  # a peer's reset ends its connection quietly
         finally:
-            self._handlers.discard(task)
             self._per_host[host] -= 1
             if not self._per_host[host]:
                 del self._per_host[host]
@@ -343,40 +372,26 @@ class RelayForwarder:
 
     def __init__(self, relay: str, key: bytes):
         self.relay, self.key = relay, key
-        self._server: asyncio.Server | None = None
-        self._tasks: set[asyncio.Task] = set()
+        self._listener = _Listener(self._carry)
 
     async def start(self) -> str:
         """Start listening; the loopback address to dial instead of the peer's."""
-        self._server = await asyncio.start_server(self._carry, "127.0.0.1", 0)
-        return f"127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        return f"127.0.0.1:{await self._listener.start('127.0.0.1', 0)}"
 
     async def _carry(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        task = asyncio.current_task()
-        self._tasks.add(task)
         try:
             host, port = split_host_port(self.relay)
             relay_reader, relay_writer = await asyncio.open_connection(host, port)
         except (OSError, ValueError) as e:
             log.warning("relay %s: cannot connect: %s", self.relay, e)
             writer.close()
-            self._tasks.discard(task)
             return
-        try:
-            relay_writer.write(header(ROLE_DIAL, self.key))
-            await splice((reader, writer), (relay_reader, relay_writer))
-        except asyncio.CancelledError:
-            pass  # closed: the top of the handler's task
-        finally:
-            self._tasks.discard(task)
+        relay_writer.write(header(ROLE_DIAL, self.key))
+        await splice((reader, writer), (relay_reader, relay_writer))
 
     async def close(self) -> None:
         """Stop listening and end every connection carried to the relay."""
-        if self._server is not None:
-            self._server.close()
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._listener.close()
 
 
 class RelayAcceptor:
