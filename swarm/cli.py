@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import shlex
 import sys
 import time
 import tomllib
@@ -140,6 +141,11 @@ def cmd_up(args: argparse.Namespace) -> int:
         f"(bf16 dense {dense}: {dense / s.wire_bytes_per_token:.1f}x less)\n"
         f"logs: {args.run_dir}"
     )
+    if s.model_dir is None:
+        print(f"no trained model was written (the final cut's export): see {args.run_dir}/coordinator.err")
+    else:
+        sample = shlex.join(["swarm", "generate", "--model", str(s.model_dir), "--prompt", "ROMEO:"])
+        print(f"trained model: {s.model_dir}\nsample from it: {sample}")
     if s.chaos is not None:
         c = s.chaos
         recovery = f"{c['mean_recovery_s']:.1f} s" if c["mean_recovery_s"] is not None else "n/a"

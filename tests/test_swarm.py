@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import random
+import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -157,8 +159,21 @@ def test_swarm_up_command_runs_to_completion(tmp_path):
     for i in range(2):
         assert f"metrics: node{i} http://127.0.0.1:{base + 1 + i}/metrics" in done.stdout
         assert f"node metrics on 127.0.0.1:{base + 1 + i}" in (tmp_path / "up" / f"node{i}.log").read_text()
-    assert "listening on 127.0.0.1:" in (tmp_path / "up" / "coordinator.log").read_text()
-    assert f"metrics={base} " in (tmp_path / "up" / "coordinator.log").read_text()
+    coordinator_log = (tmp_path / "up" / "coordinator.log").read_text()
+    assert f"metrics={base} " in coordinator_log
+    # The coordinator's address and the commands that watch the run and sample the trained model.
+    address = re.search(r"listening on (127\.0\.0\.1:\d+)", coordinator_log).group(1)
+    assert f"watch the run: swarm status --coordinator {address} --watch 2" in done.stdout
+    model = tmp_path / "up" / "coordinator.sqlite.model"
+    assert f"trained model: {model}" in done.stdout
+    sample = re.search(r"sample from it: swarm (generate .*)", done.stdout).group(1)
+    generated = subprocess.run(
+        [sys.executable, "-m", "swarm.cli", *shlex.split(sample), "--max-tokens", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert generated.returncode == 0 and generated.stdout.startswith("ROMEO:"), generated.stderr[-2000:]
 
 
 def free_port_range(n: int) -> int:

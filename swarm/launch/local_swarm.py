@@ -25,6 +25,7 @@ import functools
 import os
 import re
 import secrets
+import shlex
 import shutil
 import signal
 import subprocess
@@ -52,6 +53,7 @@ if TYPE_CHECKING:  # not imported at run time: the relay process starts without 
 LISTENING = re.compile(r"coordinator listening on (\S+)")
 RELAYING = re.compile(r"relay listening on (\S+)")
 GRACE_S = 10.0
+STATE_FILE = "coordinator.sqlite"  # in the run folder; the coordinator writes the model beside it
 WARMUP_STEPS = 2
 
 
@@ -68,6 +70,7 @@ class SwarmSummary:
     step_summaries: list = field(default_factory=list)  # coordinator_pb2.StepSummary per step
     epochs_restarted: int = 0
     chaos: dict | None = None  # ChaosMonkey.summary() when nodes were killed on purpose
+    model_dir: Path | None = None  # the trained model the coordinator wrote (None: not written)
 
     @property
     def tokens_per_second(self) -> float:
@@ -231,6 +234,8 @@ def up(
             swarm.start()
         if metrics_base_port is not None:
             _print_metrics(metrics_base_port, coordinator_host or "127.0.0.1", swarm)
+        watch = status_command(status_address, launch.flags("operator"))
+        print(f"coordinator {address}; watch the run: {watch}")
         start = time.monotonic()
         poller = StatusPoller(status_address, security, coordinator_host or "127.0.0.1")
         chaos = ChaosMonkey(chaos_s, chaos_seed) if chaos_s > 0 else None
@@ -239,11 +244,21 @@ def up(
             _follow(config, poller, swarm.procs, progress, timeout, swarm.killed, churn)
         finally:
             poller.close()
-        return _result(config, swarm, poller, chaos, time.monotonic() - start)
+        summary = _result(config, swarm, poller, chaos, time.monotonic() - start)
     finally:
-        launch.group.stop()
+        launch.group.stop()  # the coordinator finishes writing the model before it exits
         if coordinator_prefix:
             status_socket.unlink(missing_ok=True)
+    from swarm.coordinator.export import default_model_dir  # not at import: the relay process has no torch
+
+    model = default_model_dir(run / STATE_FILE)
+    summary.model_dir = model if (model / "manifest.json").is_file() else None
+    return summary
+
+
+def status_command(address: str, flags: list[str]) -> str:
+    """The ``swarm status`` command line that watches the coordinator at ``address``."""
+    return shlex.join(["swarm", "status", "--coordinator", address, *flags, "--watch", "2"])
 
 
 def _python_m(module: str) -> list[str]:
@@ -283,7 +298,7 @@ def _start_coordinator(
     from swarm.coordinator.cli import serve_command  # not at import: the relay process has no torch
 
     (launch.run / "run.toml").write_text(config.to_toml())
-    state = launch.run / "coordinator.sqlite"
+    state = launch.run / STATE_FILE
     state.unlink(missing_ok=True)
     args = serve_command(
         config=launch.run / "run.toml",
