@@ -120,7 +120,12 @@ def markdown(r: dict) -> str:
         ),
         "",
         *_peer_section(r),
-        *_paper_scale_section(r),
+        *_paper_scale_section(r.get("paper_scale"), "Paper scale with emulated compute"),
+        *(
+            line
+            for ps in r.get("gpu_scale", [])
+            for line in _paper_scale_section(ps, "Paper-size models on a measured GPU's compute")
+        ),
         *_churn_section(r),
         *_multihost_section(r),
         *_generation_section(r),
@@ -135,9 +140,8 @@ def markdown(r: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def _paper_scale_section(r: dict) -> list[str]:
-    """The paper's model and links with emulated compute, and the paper's own numbers beside ours."""
-    ps = r.get("paper_scale")
+def _paper_scale_section(ps: dict | None, title: str) -> list[str]:
+    """A paper-size model on its links with emulated compute, and the paper's own numbers beside ours."""
     if ps is None:
         return []
     prof, model, train = ps["profile"], ps["model"], ps["train"]
@@ -147,15 +151,19 @@ def _paper_scale_section(r: dict) -> list[str]:
         for x in ps["rows"]
     ]
     return [
-        f"## Paper scale with emulated compute: d={model['d_model']}, k={model['subspace_rank']}, "
+        f"## {title}: d={model['d_model']}, k={model['subspace_rank']}, "
         f"{model['n_layers']} layers on {ps['n_stages']} nodes",
-        f"Compute profile `{prof['name']}`: forward {prof['forward_us_per_token_layer']} µs and backward "
-        f"{prof['backward_us_per_token_layer']} µs per token per layer ({prof['device']}). "
+        f"Compute profile `{prof['name']}`: forward {prof['forward_us_per_token_layer']:.2f} µs and backward "
+        f"{prof['backward_us_per_token_layer']:.2f} µs per token per layer, subspace boundary maps "
+        f"{prof.get('boundary_us_per_token', 0.0):.2f} µs per token ({prof['device']}). "
         f"Source: {prof['source']}",
         f"{train['microbatches']} microbatches of {train['batch_size'] // train['microbatches']} x "
         f"{train['seq_len']} tokens per step; every node in its own network "
         "namespace. Bound: min(stage compute rate, uplink rate / B per token on the busiest uplink). "
-        f"The paper (80 Mbit/s): {paper['dense']} tokens/s uncompressed, {paper['compressed']} compressed.",
+        "GPipe bound: the same with the links' delay and GPipe's phases (per phase M + P - 1 slots of "
+        "the slower of a stage's compute and a link's transfer of one microbatch, plus a round trip "
+        f"through the pipeline per step). The paper (80 Mbit/s): {paper['dense']} tokens/s uncompressed, "
+        f"{paper['compressed']} compressed.",
         "",
         _table(
             rows,
@@ -170,6 +178,8 @@ def _paper_scale_section(r: dict) -> list[str]:
                 ("bound tokens/s", "physical_bound_tokens_per_s", ".0f"),
                 ("binds", "binds", ""),
                 ("efficiency", "efficiency", ".0%"),
+                ("GPipe bound", "gpipe_bound_tokens_per_s", ".0f"),
+                ("vs GPipe bound", "gpipe_efficiency", ".0%"),
                 ("bubble ceiling", "schedule_ceiling", ".0%"),
                 ("compute utilisation", "utilisation", ".0%"),
             ],

@@ -64,6 +64,7 @@ class BenchPlan:
     multihost_codecs: list[str] = field(default_factory=lambda: ["dense bf16", "subspace bf16"])
     generation: generation.GenerationPlan | None = None
     paper_scale: paper_scale.PaperScalePlan | None = None
+    gpu_scale: list[paper_scale.PaperScalePlan] = field(default_factory=list)  # measured GPU profiles
     averaging: averaging.AveragingPlan | None = None
     replicas: replicas.ReplicaPlan | None = None
     replica_sync: replica_sync.ReplicaSyncPlan | None = None
@@ -104,7 +105,7 @@ def plan(quick: bool) -> BenchPlan:
                 tiny,
                 TrainConfig(steps=3, batch_size=4, seq_len=32, microbatches=4),
                 n_stages=4,
-                profile="paper-2b-8layer",
+                profile="h200-2b-8layer-mb512",
                 codecs=["dense bf16", "subspace bf16"],
                 links=[Link("80 Mbit/s, 50 ms RTT", 80, 25)],
             ),
@@ -182,6 +183,7 @@ def plan(quick: bool) -> BenchPlan:
             ],
             one_f_one_b_on="80 Mbit/s, 50 ms RTT",
         ),
+        gpu_scale=_gpu_scale_plans(),
         averaging=averaging.AveragingPlan(small, n_stages=4),
         replicas=replicas.ReplicaPlan(
             MODEL_PRESETS["tiny"], TrainConfig(steps=40, batch_size=12, seq_len=64, microbatches=6)
@@ -255,6 +257,26 @@ def machine() -> dict:
     }
 
 
+def _gpu_scale_plans() -> list[paper_scale.PaperScalePlan]:
+    """The paper-size models on the H200's measured compute: 32 microbatches of 4 x 512 tokens per step
+    (the profiles' 2048-token microbatch), the 2B model on three links, the 8B one at 80 Mbit/s."""
+    train = TrainConfig(steps=3, batch_size=128, seq_len=512, microbatches=32)
+    slow = Link("80 Mbit/s, 50 ms RTT", 80, 25)
+    return [
+        paper_scale.PaperScalePlan(
+            dataclasses.replace(MODEL_PRESETS[preset], vocab_size=4096, max_seq_len=512),
+            train,
+            n_stages=8,
+            profile=f"h200-{preset}-mb2048",
+            links=links,
+        )
+        for preset, links in (
+            ("2b-8layer", [slow, Link("200 Mbit/s", 200), Link("1 Gbit/s", 1000)]),
+            ("8b", [slow]),
+        )
+    ]
+
+
 def sections(p: BenchPlan, quick: bool, cache: Path | None = None) -> dict[str, Callable[[], object]]:
     """Each benchmark section as a thunk, in the order they run (``cache``: where sections that
     take long keep finished parts, so a rerun resumes)."""
@@ -289,7 +311,9 @@ def sections(p: BenchPlan, quick: bool, cache: Path | None = None) -> dict[str, 
     if p.peer:
         out["peer"] = run_peer
     if p.paper_scale is not None:
-        out["paper_scale"] = lambda: _paper_scale(p)
+        out["paper_scale"] = lambda: _paper_scale(p.paper_scale, p.shaper)
+    if p.gpu_scale:
+        out["gpu_scale"] = lambda: [_paper_scale(plan, p.shaper) for plan in p.gpu_scale]
     if p.churn is not None:
         out["churn"] = lambda: churn.run(p.churn)
     if p.multihost is not None:
@@ -316,11 +340,9 @@ def _needs_netns(section: Callable[[], object]) -> object:
     return section() if ok else {"skipped": reason}
 
 
-def _paper_scale(p: BenchPlan) -> dict:
-    """The paper's model on emulated compute; namespaces where available (quick: the transport's shaper)."""
-    ps = p.paper_scale
-    cases = _pick(_cases(ps.model), ps.codecs)
-    return paper_scale.run(ps, cases, shaper=p.shaper)
+def _paper_scale(ps: paper_scale.PaperScalePlan, shaper: str) -> dict:
+    """A paper-size model on emulated compute; namespaces where available (quick: the transport's shaper)."""
+    return paper_scale.run(ps, _pick(_cases(ps.model), ps.codecs), shaper=shaper)
 
 
 def _quality(q: quality.QualityPlan, cache: Path | None) -> dict:

@@ -10,6 +10,9 @@ import pytest
 import torch
 
 from bench.compute_profile import profile as measure_profile
+from bench.paper_scale import gpipe_bound
+from bench.throughput import Link
+from swarm.codecs.boundary import IdentityMap
 from swarm.core.config import (
     MODEL_PRESETS,
     CheckpointConfig,
@@ -58,6 +61,27 @@ def test_emulated_stages_send_the_real_frames_and_take_the_profiles_time(kind, f
     assert loss == pytest.approx(math.log(512), rel=1e-6)  # no LM head: the uniform prediction
     # 4 one-layer stages, 128 tokens, 300 us per token and layer: the waits alone take this long
     assert seconds >= 4 * 128 * 300e-6
+
+
+def test_the_boundary_maps_are_charged_to_the_profile_and_never_run_on_this_cpu(tmp_path):
+    """What a GPU would run for a subspace boundary (a d x k product per side) is a wait from the
+    profile; the emulated stages hold k-wide coordinates only, never the d-wide residual stream."""
+    path = tmp_path / "maps.json"
+    ComputeProfile("maps", "tiny", "none", "made up", 0.0, 0.0, 32, boundary_us_per_token=2000.0).save(path)
+    ids = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
+    seconds = {}
+    for kind in ("subspace", "identity"):
+        pipe = LocalPipeline(_config(kind, "bf16", emulation=EmulationConfig(str(path))))
+        start = time.perf_counter()
+        pipe.forward_backward(0, ids)
+        seconds[kind] = time.perf_counter() - start
+        widths = {w.inbound.map.width for w in pipe.workers[1:]} | {w.stage.width for w in pipe.workers}
+        assert widths == ({16} if kind == "subspace" else {64})  # k = 16, d = 64
+        assert all(isinstance(w.inbound.map, IdentityMap) for w in pipe.workers[1:])
+    # 3 boundaries x 128 tokens x 2 ms: the subspace pipeline waits that long, the dense one does not
+    assert seconds["subspace"] >= 3 * 128 * 2000e-6 > 4 * seconds["identity"]
+    profile = load_profile(str(path))
+    assert profile.tokens_per_second(1, boundary_sides=2) == pytest.approx(1 / 2000e-6)
 
 
 def test_emulated_gradients_are_not_zero(profile_path):
@@ -111,5 +135,18 @@ def test_profiles_load_and_reject_bad_times(tmp_path):
 def test_measured_profile_is_usable(tmp_path):
     measured = measure_profile("tiny", "auto", seq_len=16, batch=2, repeats=2)
     assert measured.forward_us_per_token_layer > 0 and measured.backward_us_per_token_layer > 0
+    assert measured.boundary_us_per_token > 0  # the preset is subspace-constrained: its maps are timed
     measured.save(tmp_path / "measured.json")
     assert load_profile(str(tmp_path / "measured.json")) == measured
+
+
+def test_the_gpipe_bound_counts_phases_slots_and_the_round_trip():
+    profile = ComputeProfile("p", "tiny", "none", "made up", 1.0, 2.0, 32)
+    row = {"wire_forward_B_per_token": 100.0, "wire_backward_B_per_token": 50.0}
+    slow = Link("8 Mbit/s, 20 ms RTT", 8, 10)  # 1 MB/s: a 100-token microbatch crosses in 10 ms (5 back)
+    # 2 stages, 4 microbatches: (4 + 1) x (10 + 5) ms of link-bound slots and one 20 ms round trip
+    assert gpipe_bound(profile, [1, 1], [0, 0], 4, 100, slow, row) == pytest.approx(400 / 0.095)
+    # no link: the slots are the slowest stage's compute, 1 layer x 100 tokens x (1 + 2) us
+    assert gpipe_bound(profile, [1, 1], [0, 0], 4, 100, Link("loopback", 0), row) == pytest.approx(
+        400 / (5 * 300e-6)
+    )

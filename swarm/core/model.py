@@ -253,6 +253,10 @@ class Stage(nn.Module):
             x = self.head(self.norm(x))
         return x
 
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean next-token cross-entropy of the last stage's ``logits`` (computed in fp32)."""
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
 
 def name_seed(seed: int, name: str) -> int:
     return int.from_bytes(hashlib.sha256(f"{seed}/{name}".encode()).digest()[:8], "little") >> 1

@@ -25,9 +25,12 @@ class ComputeProfile:
     forward_us_per_token_layer: float
     backward_us_per_token_layer: float
     seq_len: int  # the sequence length the times hold for (attention grows with it)
+    # One subspace boundary's maps per token: project on the sender and lift on the receiver,
+    # forward and backward together (0: not measured, or a dense boundary that has none).
+    boundary_us_per_token: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("forward_us_per_token_layer", "backward_us_per_token_layer"):
+        for name in ("forward_us_per_token_layer", "backward_us_per_token_layer", "boundary_us_per_token"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0):
                 raise ValueError(f"compute profile {self.name!r}: {name}={value} must be a finite time >= 0")
@@ -37,9 +40,19 @@ class ComputeProfile:
         scale = layers * tokens * 1e-6
         return self.forward_us_per_token_layer * scale, self.backward_us_per_token_layer * scale
 
-    def tokens_per_second(self, layers: int) -> float:
-        """The rate of a stage of ``layers`` layers doing forward and backward, with nothing else."""
+    def boundary_side_seconds(self, tokens: int) -> float:
+        """Forward (and, equally, backward) seconds of one side of a boundary's maps on ``tokens`` tokens.
+
+        The measured total is split evenly four ways: project and lift are the same size of matrix
+        product (tokens x d x k), each forward the same as its backward.
+        """
+        return self.boundary_us_per_token * tokens * 1e-6 / 4
+
+    def tokens_per_second(self, layers: int, boundary_sides: int = 0) -> float:
+        """The rate of a stage of ``layers`` layers doing forward and backward, with nothing else;
+        ``boundary_sides``: the subspace boundary maps it runs too (1 on an end stage, 2 in the middle)."""
         per_token = (self.forward_us_per_token_layer + self.backward_us_per_token_layer) * 1e-6 * layers
+        per_token += 2 * self.boundary_side_seconds(1) * boundary_sides
         return 1.0 / per_token if per_token > 0 else math.inf
 
     def save(self, path: str | Path) -> None:

@@ -1,22 +1,26 @@
 """Compute emulation: a stage whose layers are calibrated waits, for benchmarks at paper scale.
 
-An emulated stage runs everything a real one does on real-size tensors (decode, the
-boundary map's lift and project with autograd, encode, frames, gRPC) except its
-transformer layers: their forward and backward are replaced by waits whose lengths come
-from a :class:`ComputeProfile` (a device's per-layer forward/backward time per token,
-kept in a JSON file with its source). A 2B-parameter, 8-stage swarm then fits on a
-laptop while its links, codecs and schedule behave as on the GPUs the profile describes.
+An emulated stage runs what a node's CPU runs on real-size messages (decode, encode,
+frames, gRPC, the schedule) and replaces what its GPU would run by waits whose lengths
+come from a :class:`ComputeProfile` (a device's per-layer forward/backward time per token,
+and its subspace boundary maps' time, kept in a JSON file with its source): the
+transformer layers, and the boundary maps' project and lift (a d x k matrix product per
+side). A 2B-parameter, 8-stage swarm then fits on a laptop while its links, codecs and
+schedule behave as on the GPUs the profile describes.
 
-The emulated layers pass the residual stream through unchanged (stage 0 starts from the
-fixed embedding plus a fixed perturbation, so coordinates are not zero) and add a fixed
-perturbation to the gradient the last stage sends back (whose loss, with no LM head, is
-the uniform predictor's ``ln V``). The numbers that cross the wire are therefore not a
-model's, but their sizes, formats and costs are. Emulation has no weights: it refuses
-rotations, snapshots and MAPL (whose boundary state is trained).
+An emulated stage therefore works on the wire's coordinates (``wire_width``: k for the
+subspace codec, d for a dense boundary) and never builds the d-wide residual stream that
+the boundary maps would. Stage 0 starts from a fixed slice of the fixed embedding plus a
+fixed perturbation (so coordinates are not zero); the last stage adds a fixed perturbation
+to the gradient it sends back, and its loss (no LM head) is the uniform predictor's
+``ln V``. The numbers that cross the wire are therefore not a model's, but their sizes,
+formats and costs are. Emulation has no weights: it refuses rotations, snapshots and MAPL
+(whose boundary state is trained).
 """
 
 from __future__ import annotations
 
+import math
 import time
 from typing import TYPE_CHECKING
 
@@ -46,8 +50,18 @@ class _Wait(torch.autograd.Function):
         return grad, None, None, None
 
 
+def wire_width(config: RunConfig, basis: torch.Tensor | None) -> int:
+    """The width of what crosses a boundary: the subspace codec's k, or the full d."""
+    if config.codec.kind == "subspace":
+        if basis is None:
+            raise ValueError("the subspace codec needs a basis")
+        return basis.shape[1]
+    return config.model.d_model
+
+
 class EmulatedStage(nn.Module):
-    """Stands in for :class:`swarm.core.model.Stage`: same attributes and calling convention, no layers."""
+    """Stands in for :class:`swarm.core.model.Stage` (same attributes and calling convention) with
+    no layers: it takes and returns the wire's coordinates, which the boundary maps pass through."""
 
     def __init__(
         self,
@@ -62,20 +76,27 @@ class EmulatedStage(nn.Module):
         model = config.model
         self.config, self.start, self.end, self.profile = model, start, end, profile
         self.is_first, self.is_last = start == 0, end == model.n_layers
+        self.width = wire_width(config, basis)
+        # The boundary maps a GPU would run for this stage: lift on the way in, project on the way out.
+        sides = int(not self.is_first) + int(not self.is_last)
+        self.boundary_sides = sides if config.codec.kind == "subspace" else 0
         self.register_buffer("fixed_embedding", fixed_embedding, persistent=False)
         self.register_buffer("basis", basis.clone() if model.constrained else None)
         gen = torch.Generator().manual_seed(config.train.seed)
-        bump = torch.randn(config.train.seq_len, model.d_model, generator=gen) * model.init_std
+        bump = torch.randn(config.train.seq_len, self.width, generator=gen) * model.init_std
         self.register_buffer("bump", bump, persistent=False)
 
     def forward(self, tokens: torch.Tensor, x: torch.Tensor | None = None) -> torch.Tensor:
         if self.is_first:
             # a leaf that wants a gradient, so stage 0's backward (and its wait) runs as well
-            x = (self.fixed_embedding[tokens] + self.bump[: tokens.shape[1]]).requires_grad_()
+            start = self.fixed_embedding[tokens, : self.width] + self.bump[: tokens.shape[1]]
+            x = start.requires_grad_()
         elif x is None:
             raise ValueError(f"stage [{self.start}, {self.end}) needs the incoming residual stream")
         forward_s, backward_s = self.profile.stage_seconds(self.end - self.start, tokens.numel())
-        x = _Wait.apply(x, forward_s, backward_s, self.bump if self.is_last else None)
-        if self.is_last:  # a uniform prediction: loss ln V, and a gradient path back to x
-            return x.mean(-1, keepdim=True).expand(*x.shape[:-1], self.config.vocab_size)
-        return x
+        maps_s = self.profile.boundary_side_seconds(tokens.numel()) * self.boundary_sides
+        return _Wait.apply(x, forward_s + maps_s, backward_s + maps_s, self.bump if self.is_last else None)
+
+    def loss(self, output: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The uniform predictor's ``ln V``, with a (zero) gradient path back through the stage."""
+        return output.float().mean() * 0 + math.log(self.config.vocab_size)

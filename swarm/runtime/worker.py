@@ -14,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from swarm.codecs import make_format
 from swarm.codecs.base import PayloadError
@@ -118,7 +117,9 @@ class StageWorker:
 
     def _make_codec(self, boundary: int, side: str) -> BoundaryCodec:
         cfg, model = self.config.codec, self.config.model
-        if cfg.kind == "identity":
+        if isinstance(self.stage, EmulatedStage):  # its wait stands for the maps: coordinates pass through
+            bmap = IdentityMap(self.stage.width)
+        elif cfg.kind == "identity":
             bmap = IdentityMap(model.d_model)
         elif cfg.kind == "subspace":
             bmap = SubspaceMap(self.stage.fixed_embedding, self.basis)
@@ -179,7 +180,7 @@ class StageWorker:
             with layer_autocast(self.config.train.precision, self.device):
                 x = self.stage(ids[:, :-1], x_in)
         if self.is_last:
-            loss = F.cross_entropy(x.float().flatten(0, 1), ids[:, 1:].flatten())
+            loss = self.stage.loss(x, ids[:, 1:])
             output = loss / self.config.train.microbatches
         else:
             if train and self.config.codec.mapl_pca_steps > step:  # the sender's PCA warm-up
