@@ -82,7 +82,6 @@ class ReplicaGroup:
         self.metrics, self.stage = metrics, key.rsplit("/", 1)[-1]
         self.rounds = self.bytes_sent = 0
         self.seconds = 0.0
-        self.outer: OuterStep | None = None  # made at the first step of an outer-step run
         self.syncs = self.sync_bytes = 0
 
     async def connect(self) -> None:
@@ -100,7 +99,7 @@ class ReplicaGroup:
         params = worker.parameters()
         summed: list[torch.Tensor] = []
         if worker.config.replica_sync.mode == "outer":
-            self.outer = self.outer or OuterStep(params, worker.config.replica_sync)
+            worker.outer = worker.outer or OuterStep(params, worker.config.replica_sync)
             scale = self.total / self.me.microbatches  # the mean over this replica's own microbatches
             for p in params:
                 if p.grad is not None:
@@ -155,17 +154,18 @@ class ReplicaGroup:
         checkpoint cut), average the pseudo-gradients and take the outer step."""
         config = worker.config
         cut = cut or config.checkpoint.is_cut(step, config.train.steps)
-        if self.outer is None or not sync_due(config.replica_sync, step, config.train.steps, cut):
+        outer = worker.outer
+        if outer is None or not sync_due(config.replica_sync, step, config.train.steps, cut):
             return
-        sent = self.outer.pseudo_gradient()
+        sent = outer.pseudo_gradient()
         round_ = Round(
             f"{self.key}/{step}/outer",
             tuple(s.peer_id for s in self.siblings),
             shares(sum(t.numel() for t in sent), [1.0] * len(self.siblings)),
             tuple(float(s.microbatches) for s in self.siblings),
         )
-        stats, seconds = await self._average(round_, sent, self.outer.format)
-        self.outer.apply(sent)
+        stats, seconds = await self._average(round_, sent, outer.format)
+        outer.apply(sent)
         self.syncs, self.sync_bytes = self.syncs + 1, self.sync_bytes + stats.bytes_sent
         self.seconds += seconds
 

@@ -14,8 +14,10 @@ from swarm.node.replica_averaging import ReplicaPoisoned
 from swarm.node.schedule import StepCounts
 
 from bench.replica_sync import connected_groups, train_replicas
+from swarm.codecs.base import PayloadError
 from swarm.core.config import ReplicaSyncConfig, RotationConfig, RunConfig
 from swarm.core.subspace import initial_artifacts
+from swarm.io import checkpoint
 from swarm.runtime.averaging import Round, RoundFailed, shares
 from swarm.runtime.outer_step import OuterStep
 from swarm.runtime.sync_formats import BLOCK, FORMATS, sync_format
@@ -297,7 +299,7 @@ def test_a_poisoned_pseudo_gradient_is_refused_and_its_sender_named(attack: str)
 
             await asyncio.gather(*(inner(i) for i in range(3)))
             with torch.no_grad():
-                for p, anchor in zip(workers[2].parameters(), groups[2].outer.anchor, strict=True):
+                for p, anchor in zip(workers[2].parameters(), workers[2].outer.anchor, strict=True):
                     p.copy_(
                         torch.full_like(p, float("nan")) if attack == "nan" else anchor - 1e4 * (anchor - p)
                     )
@@ -353,3 +355,31 @@ def test_outer_step_state_is_on_the_parameters_device_and_dtype(device):
     (sent,) = outer.pseudo_gradient()
     outer.apply([sent])
     assert torch.allclose(p.detach().cpu(), torch.full((5,), 1 - 0.7 * 0.25 * 1.5))
+
+
+def test_a_snapshot_carries_the_outer_state_and_a_restored_replica_steps_on_bit_for_bit():
+    """The Nesterov momentum and the error-feedback residual survive a cut: a replica restored from
+    the snapshot takes the next outer step exactly as the one that never stopped."""
+    config = outer_config(ReplicaSyncConfig(mode="outer", every=1, format="int8", outer_momentum=0.9))
+
+    def train(worker: StageWorker, steps: range) -> None:  # a lone replica: its own average
+        for step in steps:
+            compute_step(worker, step, [0, 1, 2, 3])
+            worker.optimizer_step(step)
+            worker.outer = worker.outer or OuterStep(worker.parameters(), config.replica_sync)
+            worker.outer.apply(worker.outer.pseudo_gradient())
+
+    original = make_worker(config, None)
+    train(original, range(2))
+    snapshot = checkpoint.from_bytes(checkpoint.to_bytes(checkpoint.capture(original, 1)))
+    assert snapshot["outer"]["momentum"][0].abs().sum() > 0 < snapshot["outer"]["residual"][0].abs().sum()
+    restored, forgetful = make_worker(config, None), make_worker(config, None)
+    checkpoint.restore(restored, snapshot)
+    checkpoint.restore(forgetful, snapshot | {"outer": None})  # a snapshot without it, as before
+    for worker in (original, restored, forgetful):
+        train(worker, range(2, 4))
+    assert all(torch.equal(a, b) for a, b in zip(weights(original), weights(restored), strict=True))
+    assert relative(weights(forgetful), weights(original)) > 1e-3  # the momentum matters
+    for bad in ({"momentum": None, "residual": []}, {"momentum": [torch.full((2,), float("nan"))]}):
+        with pytest.raises(PayloadError, match="outer-step state"):
+            checkpoint.restore(make_worker(config, None), snapshot | {"outer": bad})

@@ -2,8 +2,9 @@
 
 A snapshot holds the stage's parameters and buffers (the subspace basis among them),
 its optimizer state (AdamW moments, Stiefel momentum), the subspace version, the
-boundary statistic accumulated toward the next rotation, RVQ codebooks, the step, and
-on stage 0 the data position. Restored into a freshly built :class:`StageWorker`, the
+boundary statistic accumulated toward the next rotation, RVQ codebooks, the outer-step
+momentum and error-feedback residual of replicas taking outer steps, the step, and on
+stage 0 the data position. Restored into a freshly built :class:`StageWorker`, the
 next step computes what it would have computed without the interruption, bit for bit on
 the same machine. The frozen token embedding is not in it (every stage regenerates or
 fetches it once).
@@ -33,6 +34,7 @@ from swarm.core.config import config_hash
 from swarm.core.subspace import resize_rank
 from swarm.io.artifacts import digest
 from swarm.io.data import BatchSampler
+from swarm.runtime.outer_step import OuterStep
 from swarm.runtime.worker import StageWorker
 
 SNAPSHOT_FORMAT = 1
@@ -80,6 +82,7 @@ def capture(worker: StageWorker, step: int, sampler: BatchSampler | None = None)
             side: fmt.learner_state() for side, fmt in _codebook_formats(worker).items() if side == "out"
         },
         "sampler": None if sampler is None else sampler.state_dict(),
+        "outer": None if worker.outer is None else worker.outer.state_dict(),
     }
 
 
@@ -135,6 +138,10 @@ def restore(worker: StageWorker, state: dict[str, Any], sampler: BatchSampler | 
             fmt.load_learner_state(state["codebook_learner"][side])
     if sampler is not None:
         sampler.load_state_dict(state["sampler"])
+    worker.outer = None
+    if state.get("outer") is not None:  # every replica of the stage resumes from the same outer state
+        worker.outer = OuterStep(worker.parameters(), worker.config.replica_sync)
+        worker.outer.load_state_dict(state["outer"])
     return int(state["step"])
 
 

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 
 import torch
 
+from swarm.codecs.base import PayloadError
 from swarm.core.config import ReplicaSyncConfig
 from swarm.runtime.sync_formats import SyncFormat, sync_format
 
@@ -64,4 +65,28 @@ class OuterStep:
                 m.mul_(self.mu).add_(delta)
                 delta = delta + m * self.mu
             p.copy_(anchor - delta * self.lr)
+            anchor.copy_(p)
+
+    def state_dict(self) -> dict:
+        """The momentum and the error-feedback residual (host copies). The anchor is not in it: state
+        is saved at checkpoint cuts, which always sync, so there the anchor is the weights."""
+        momenta = None if self.momentum is None else [m.detach().cpu().clone() for m in self.momentum]
+        return {"momentum": momenta, "residual": [r.clone() for r in self.residual]}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Load a :meth:`state_dict` of the same parameters; the anchor becomes the weights now."""
+        momenta, residuals = state.get("momentum"), state.get("residual")
+        if (momenta is None) != (self.momentum is None) or not isinstance(residuals, list):
+            raise PayloadError("outer-step state does not match the run's outer momentum")
+        pairs = [(self.residual, residuals)] + ([(self.momentum, momenta)] if momenta is not None else [])
+        for mine, saved in pairs:
+            if len(saved) != len(mine) or any(
+                not isinstance(t, torch.Tensor) or t.shape != m.shape or not torch.isfinite(t).all()
+                for t, m in zip(saved, mine, strict=False)
+            ):
+                raise PayloadError("outer-step state: wrong shapes or non-finite values")
+            for m, t in zip(mine, saved, strict=True):
+                m.copy_(t)
+        for p, anchor in zip(self.params, self.anchor, strict=True):
             anchor.copy_(p)

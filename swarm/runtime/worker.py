@@ -28,6 +28,7 @@ from swarm.core.profiles import load_profile
 from swarm.core.subspace import BoundaryStatistic, SubspaceRotation, rotate_stage
 from swarm.runtime.emulation import EmulatedStage
 from swarm.runtime.norm_guard import NormBound, NormGuard
+from swarm.runtime.outer_step import OuterStep
 from swarm.runtime.wire import ActivationFrame, GradientFrame
 
 
@@ -95,6 +96,7 @@ class StageWorker:
         self.inbound = self._make_codec(index - 1, "in") if index > 0 else None
         self.outbound = self._make_codec(index, "out") if not self.stage.is_last else None
         self.optimizer = build_optimizer([self.stage, *self.mapl.values()], config.train)
+        self.outer: OuterStep | None = None  # DiLoCo's outer state, when replicas take outer steps
         self.version = 0
         self.pending_rotation: SubspaceRotation | None = None
         self.statistic = (
