@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from bench.codecs import CodecCase
 from bench.throughput import Link, attempt, resolve_shaper, run_config
 from swarm.core.config import CheckpointConfig, EmulationConfig, ModelConfig, TrainConfig, stage_layer_ranges
-from swarm.core.profiles import ComputeProfile, load_profile
+from swarm.core.profiles import ComputeProfile, boundary_sides, load_profile
 
 # The paper's headline (Subspace Networks, 2B 8-layer model at 80 Mbit/s): uncompressed -> compressed.
 PAPER_TOKENS_PER_S = {"dense": 36.12, "compressed": 592.41}
@@ -89,7 +89,7 @@ def run(plan: PaperScalePlan, cases: list[CodecCase], shaper: str = "netns") -> 
     tokens = plan.train.batch_size * plan.train.seq_len
     rows = []
     for link, case, schedule in runs:
-        sides = [int(i > 0) + int(i < p - 1) if case.codec.kind == "subspace" else 0 for i in range(p)]
+        sides = [boundary_sides(case.codec.kind, i == 0, i == p - 1) for i in range(p)]
         rates = [profile.tokens_per_second(n, s) for n, s in zip(layers, sides, strict=True)]
         compute_rate, busy = min(rates), [tokens / rate for rate in rates]
         row = attempt(_config(case, plan, schedule), case.name, link, shaper)

@@ -59,6 +59,12 @@ class ComputeProfile:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
 
+def boundary_sides(codec_kind: str, first: bool, last: bool) -> int:
+    """The subspace boundary maps a stage runs: a lift unless it is the first stage, a project unless
+    it is the last (none for a dense boundary, which has no maps)."""
+    return int(not first) + int(not last) if codec_kind == "subspace" else 0
+
+
 def load_profile(name_or_path: str) -> ComputeProfile:
     """A bundled profile by name (``swarm/profiles/NAME.json``) or a JSON file by path."""
     path = Path(name_or_path)

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
-from swarm.core.profiles import ComputeProfile
+from swarm.core.profiles import ComputeProfile, boundary_sides
 
 if TYPE_CHECKING:
     from swarm.core.config import RunConfig
@@ -78,8 +78,7 @@ class EmulatedStage(nn.Module):
         self.is_first, self.is_last = start == 0, end == model.n_layers
         self.width = wire_width(config, basis)
         # The boundary maps a GPU would run for this stage: lift on the way in, project on the way out.
-        sides = int(not self.is_first) + int(not self.is_last)
-        self.boundary_sides = sides if config.codec.kind == "subspace" else 0
+        self.boundary_sides = boundary_sides(config.codec.kind, self.is_first, self.is_last)
         self.register_buffer("fixed_embedding", fixed_embedding, persistent=False)
         self.register_buffer("basis", basis.clone() if model.constrained else None)
         gen = torch.Generator().manual_seed(config.train.seed)
