@@ -33,7 +33,7 @@ def run_case(case: CodecCase, model: ModelConfig, train: TrainConfig, repeats: i
         train=train,
         n_stages=2,
     )
-    pipe = LocalPipeline(config)
+    pipe = LocalPipeline(config, frames=True)
     sender, receiver = pipe.workers
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(

@@ -63,9 +63,12 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure(config: RunConfig, device: torch.device, warmup_steps: int, steps: int) -> dict:
-    """Steady-state tokens/s of :class:`LocalPipeline` training ``config`` on ``device``."""
-    pipe = LocalPipeline(config, device=device)
+def measure(
+    config: RunConfig, device: torch.device, warmup_steps: int, steps: int, frames: bool = False
+) -> dict:
+    """Steady-state tokens/s of :class:`LocalPipeline` training ``config`` on ``device`` (``frames``:
+    every boundary crossing serialised and decoded, as on the wire, instead of carried)."""
+    pipe = LocalPipeline(config, device=device, frames=frames)
     gen = torch.Generator().manual_seed(config.train.seed)
     shape = (config.train.batch_size, config.train.seq_len + 1)
     seconds, tokens, loss = [], 0, float("nan")
@@ -83,22 +86,28 @@ def measure(config: RunConfig, device: torch.device, warmup_steps: int, steps: i
 
 
 def run(plan: PrecisionPlan, device: str = "auto") -> dict:
-    """fp32 and bf16 rows for every stage count, with model TFLOP/s, MFU and the ratios between rows."""
+    """fp32 and bf16 rows for every stage count (several stages: boundaries carried on the device and,
+    side by side, serialised), with model TFLOP/s, MFU and the ratios between rows."""
     dev = pick_device(device)
     peak = peak_bf16_flops(dev)
     per_token = flops_per_token(plan.model, plan.train.seq_len)
     rows = []
     for n_stages in plan.stage_counts:
-        for precision in ("fp32", "bf16"):
-            train = dataclasses.replace(plan.train, precision=precision)
-            config = RunConfig(model=plan.model, train=train, n_stages=n_stages)
-            row = {"n_stages": n_stages, "precision": precision}
-            row |= measure(config, dev, plan.warmup_steps, plan.steps)
-            row["model_tflops_per_s"] = row["tokens_per_s"] * per_token / 1e12
-            row["mfu"] = row["tokens_per_s"] * per_token / peak if peak else None
-            rows.append(row)
+        for boundaries in ("carried", "serialised") if n_stages > 1 else ("none",):
+            for precision in ("fp32", "bf16"):
+                train = dataclasses.replace(plan.train, precision=precision)
+                config = RunConfig(model=plan.model, train=train, n_stages=n_stages)
+                row = {"n_stages": n_stages, "boundaries": boundaries, "precision": precision}
+                row |= measure(config, dev, plan.warmup_steps, plan.steps, frames=boundaries == "serialised")
+                row["model_tflops_per_s"] = row["tokens_per_s"] * per_token / 1e12
+                row["mfu"] = row["tokens_per_s"] * per_token / peak if peak else None
+                rows.append(row)
     for row in rows:
-        same = {r["precision"]: r for r in rows if r["n_stages"] == row["n_stages"]}
+        same = {
+            r["precision"]: r
+            for r in rows
+            if r["n_stages"] == row["n_stages"] and r["boundaries"] == row["boundaries"]
+        }
         one = next(
             r for r in rows if r["n_stages"] == plan.stage_counts[0] and r["precision"] == row["precision"]
         )

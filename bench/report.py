@@ -416,12 +416,15 @@ def _precision_section(r: dict) -> list[str]:
         f"d={model['d_model']}, {model['n_layers']} layers, batch {train['batch_size']} x {train['seq_len']} "
         f"in {train['microbatches']} microbatches, random tokens, {plan['steps']} timed steps after "
         f"{plan['warmup_steps']} warm-up. {p['flops_per_token'] / 1e6:.1f} model MFLOP per token "
-        "(forward + backward); MFU against the bf16 peak for both precisions.",
+        "(forward + backward); MFU against the bf16 peak for both precisions. Several stages hand their "
+        "boundaries over on the device (carried, as `swarm train` does) or serialise and decode every "
+        "crossing (the wire's code path), side by side.",
         "",
         _table(
             p["rows"],
             [
                 ("stages", "n_stages", ""),
+                ("boundaries", "boundaries", ""),
                 ("precision", "precision", ""),
                 ("tokens/s", "tokens_per_s", ",.0f"),
                 ("model TFLOP/s", "model_tflops_per_s", ".3f"),

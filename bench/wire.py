@@ -65,7 +65,7 @@ def measured_row(case: CodecCase, model: ModelConfig, train: TrainConfig) -> dic
     """Bytes/token of real frames of a 2-stage pipeline of ``model`` (one microbatch, one step)."""
     model = dataclasses.replace(model, constrain_writes=case.constrained)
     config = RunConfig(model=model, codec=case.codec, train=train, n_stages=2)
-    pipe = LocalPipeline(config)
+    pipe = LocalPipeline(config, frames=True)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(
         0, model.vocab_size, (train.batch_size // train.microbatches, train.seq_len + 1), generator=gen

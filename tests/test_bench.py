@@ -76,9 +76,18 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     assert all(row["compression_vs_dense_bf16"] > 4 for row in others)
     assert "## Quality at high compression" in report and "| off-subspace @end |" in report
     assert (tmp_path / "quality.png").stat().st_size > 0
-    rows = results["precision"]["rows"]  # fp32 and bf16 side by side, as one stage and as two
-    shape = [(r["n_stages"], r["precision"]) for r in rows]
-    assert shape == [(1, "fp32"), (1, "bf16"), (2, "fp32"), (2, "bf16")]
+    rows = results["precision"]["rows"]  # fp32 and bf16, as one stage and as two (carried, serialised)
+    shape = [(r["n_stages"], r["boundaries"], r["precision"]) for r in rows]
+    assert shape == [
+        (1, "none", "fp32"),
+        (1, "none", "bf16"),
+        (2, "carried", "fp32"),
+        (2, "carried", "bf16"),
+        (2, "serialised", "fp32"),
+        (2, "serialised", "bf16"),
+    ]
+    # the same run either way: its loss does not depend on how the boundaries were handed over
+    assert rows[2]["final_loss"] == rows[4]["final_loss"] and rows[3]["final_loss"] == rows[5]["final_loss"]
     assert all(r["tokens_per_s"] > 0 and r["model_tflops_per_s"] > 0 for r in rows)
     assert "## Mixed precision" in report
     direct, relayed = results["relay"]["swarm"]  # one swarm twice: direct, then through the relay

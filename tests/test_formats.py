@@ -74,6 +74,29 @@ def test_nbytes_and_shape(case: Case, rows: int) -> None:
     assert out.shape == (rows, COLS) and out.dtype == torch.float32
 
 
+@pytest.mark.parametrize("rows", [0, 1, ROWS])
+def test_round_trip_without_bytes_is_the_decoded_payload(case: Case, rows: int) -> None:
+    """What stages in one process hand over: bit for bit what the receiver decodes, in the decoded
+    dtype, counted at exactly the bytes the payload has."""
+    x = randn(rows, COLS, seed=rows)
+    payload = case.fmt.encode(x)
+    assert case.fmt.encoded_size(rows, COLS) == payload.nbytes == case.nbytes(rows, COLS)
+    carried = case.fmt.roundtrip(x)
+    decoded = case.fmt.decode(payload, dtype=carried.dtype)
+    assert carried.dtype == (torch.float64 if case.fmt.name == "fp64" else torch.float32)
+    assert torch.equal(carried, decoded)
+    if rows:
+        assert carried.data_ptr() != x.data_ptr()  # a new tensor, even where the format is lossless
+
+
+@pytest.mark.parametrize("bad", [math.nan, math.inf])
+def test_round_trip_without_bytes_rejects_non_finite(case: Case, bad: float) -> None:
+    x = randn(ROWS, COLS)
+    x[3, 7] = bad
+    with pytest.raises(PayloadError, match="non-finite"):
+        case.fmt.roundtrip(x)
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float16, torch.bfloat16])
 def test_decode_device_and_dtype(case: Case, dtype: torch.dtype) -> None:
     payload = case.fmt.encode(randn(ROWS, COLS))

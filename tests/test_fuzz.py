@@ -46,7 +46,7 @@ def boundary(codec: tuple[str, str, str, int]):
     kind, fwd, bwd, zstd = codec
     config = tiny_config(kind=kind, n_stages=2, forward_format=fwd, backward_format=bwd)
     config.codec.zstd_level = zstd
-    sender, receiver = LocalPipeline(config).workers
+    sender, receiver = LocalPipeline(config, frames=True).workers
     sender.begin_step(0)
     receiver.begin_step(0)
     frame = sender.forward(0, 0, random_batch(config)[:2])

@@ -58,6 +58,10 @@ def test_format_round_trip_on_cuda(name: str) -> None:
     else:
         assert on_cuda == on_cpu
         assert torch.equal(back.cpu(), reference)
+    # the in-process hand-over stays on the GPU and is what the CUDA payload decodes to there
+    carried = fmt.roundtrip(x.to(CUDA))
+    assert carried.device.type == "cuda" and fmt.encoded_size(ROWS, COLS) == on_cuda.nbytes
+    assert torch.equal(carried, fmt.decode(on_cuda, device=CUDA, dtype=carried.dtype))
 
 
 def test_rvq_learns_on_the_cpu_from_a_cuda_batch() -> None:

@@ -301,7 +301,7 @@ def test_runners_over_grpc_match_local_pipeline(schedule):
     config = replace(CONFIG, train=replace(CONFIG.train, schedule=schedule))
     reference = LocalPipeline(CONFIG)
     expected = [reference.train_step(step, random_batch(CONFIG, seed=step)).loss for step in range(3)]
-    workers = LocalPipeline(config).workers
+    workers = LocalPipeline(config, frames=True).workers
 
     async def main() -> list[float]:
         losses = []
@@ -320,7 +320,7 @@ def test_runners_over_grpc_match_local_pipeline(schedule):
 
 
 def test_stale_subspace_version_is_rejected_on_both_sides():
-    workers = LocalPipeline(CONFIG).workers
+    workers = LocalPipeline(CONFIG, frames=True).workers
     workers[1].version = 1  # the receiver has moved on; stage 0 still encodes under version 0
 
     async def main() -> None:
@@ -340,7 +340,7 @@ def test_a_bad_frame_fails_the_step_as_the_senders_fault(attack):
     """A replayed microbatch or NaN coordinates: the receiver answers BAD_PAYLOAD, counts it, and its
     step fails with a BadFrameError naming the boundary (the node then reports the sender for
     eviction); nothing reaches the receiver's parameters."""
-    workers = LocalPipeline(CONFIG).workers
+    workers = LocalPipeline(CONFIG, frames=True).workers
     before = [p.detach().clone() for p in workers[1].parameters()]
 
     async def main() -> None:
@@ -373,7 +373,7 @@ def test_a_bad_frame_fails_the_step_as_the_senders_fault(attack):
 def test_a_flooding_peer_fails_the_step_as_the_senders_fault():
     """Frames far beyond a step's worth, before the receiver takes any: bounded, counted, and the
     receiver's step fails with a BadFrameError naming the boundary."""
-    workers = LocalPipeline(CONFIG).workers
+    workers = LocalPipeline(CONFIG, frames=True).workers
     frame = workers[0].forward(0, 0, random_batch(CONFIG)[:2])
 
     async def main() -> None:
@@ -392,7 +392,7 @@ def test_a_flooding_peer_fails_the_step_as_the_senders_fault():
 
 
 def test_malformed_messages_are_answered_counted_and_survived():
-    frame = LocalPipeline(CONFIG).workers[0].forward(0, 0, random_batch(CONFIG)[:2])
+    frame = LocalPipeline(CONFIG, frames=True).workers[0].forward(0, 0, random_batch(CONFIG)[:2])
     delivered: list[object] = []
     failures: list[Exception] = []
 
@@ -532,7 +532,7 @@ def test_four_stage_schedules_give_the_single_process_gradients(schedule):
     reference = LocalPipeline(config)  # GPipe order, one process
     for step in range(3):
         reference.train_step(step, random_batch(config, seed=step))
-    workers = LocalPipeline(config).workers
+    workers = LocalPipeline(config, frames=True).workers
     runners = [
         StageRunner(
             w, Metrics("node"), (lambda step: random_batch(config, seed=step)) if w.is_first else None

@@ -41,7 +41,7 @@ def scaled(frame, factor: float = 1e4):
 
 def test_a_worker_refuses_scaled_activations_and_gradients():
     config = tiny_config(n_stages=2, forward_format="bf16", backward_format="bf16")
-    pipe = LocalPipeline(config, norm_bound=NormBound(warmup=2))
+    pipe = LocalPipeline(config, norm_bound=NormBound(warmup=2), frames=True)
     for step in range(2):
         pipe.train_step(step, random_batch(config, seed=step))
     first, last = pipe.workers

@@ -99,3 +99,46 @@ def test_wire_bytes_match_format_accounting():
     assert result.tokens == tokens
     assert result.bytes_forward == [tokens * k * 2 + config.train.microbatches * per_mb_ids] * 3
     assert result.bytes_backward == [tokens * k * 2] * 3
+
+
+def _trained(config, frames: bool, steps: int = 3) -> tuple[list, list[torch.Tensor]]:
+    """Each step's (loss, boundary bytes) and the final parameters of every stage."""
+    pipe = LocalPipeline(config, frames=frames)
+    results = []
+    for step in range(steps):
+        r = pipe.train_step(step, random_batch(config, seed=step))
+        results.append((r.loss, r.bytes_forward, r.bytes_backward, r.bytes_sync))
+    return results, [p.detach().clone() for w in pipe.workers for p in w.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("kind", "forward", "backward", "rotation"),
+    [
+        ("subspace", "fp32", "fp32", 0),
+        ("subspace", "int8_row", "bf16", 2),
+        ("identity", "bf16", "fp16", 0),
+        ("identity", "int4_block", "topk", 0),
+        ("identity", "lowrank", "int8_block", 0),
+        ("mapl", "rvq", "bf16", 0),
+    ],
+)
+def test_carried_boundaries_equal_serialised_frames(kind, forward, backward, rotation):
+    """Stages in one process hand the decoded values over without bytes: the run (losses, bytes
+    counted on every boundary, weights after three steps, rotations and codebook deltas included)
+    is bit for bit the one whose every crossing is serialised and decoded."""
+    config = tiny_config(kind, forward_format=forward, backward_format=backward, constrain=kind == "subspace")
+    config.rotation.interval = rotation
+    carried, carried_params = _trained(config, frames=False)
+    framed, framed_params = _trained(config, frames=True)
+    assert carried == framed
+    assert all(torch.equal(a, b) for a, b in zip(carried_params, framed_params, strict=True))
+
+
+def test_zstd_boundaries_are_always_serialised():
+    """zstd's size depends on the data: its crossings are encoded even in one process."""
+    config = tiny_config(forward_format="bf16", backward_format="bf16")
+    config.codec.zstd_level = 3
+    pipe = LocalPipeline(config)
+    assert not any(c.in_process for w in pipe.workers for c in (w.inbound, w.outbound) if c is not None)
+    r = pipe.train_step(0, random_batch(config))
+    assert r.loss > 0 and all(b > 0 for b in r.bytes_forward)

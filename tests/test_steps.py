@@ -157,7 +157,7 @@ def assert_runners_match_the_pipeline(config: RunConfig, steps: int = 3) -> None
     schedule = config.train.schedule
     reference = LocalPipeline(config, schedule=schedule)
     expected = [reference.train_step(step, random_batch(config, seed=step)).loss for step in range(steps)]
-    workers = LocalPipeline(config).workers
+    workers = LocalPipeline(config, frames=True).workers
     batches = lambda step: random_batch(config, seed=step)  # noqa: E731
     runners = [StageRunner(w, Metrics("node"), batches if w.is_first else None) for w in workers]
     for up, down in itertools.pairwise(runners):

@@ -81,11 +81,23 @@ class TensorFormat(ABC):
 
     def encode(self, x: torch.Tensor) -> EncodedTensor:
         """Serialise ``x`` (2-D, finite). Raises :class:`PayloadError` on NaN/Inf input."""
+        self._check_input(x)
+        return EncodedTensor(self.name, x.shape[0], x.shape[1], self._encode(x.detach()))
+
+    def roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """What ``decode(encode(x))`` rebuilds, bit for bit, computed on ``x``'s device without bytes:
+        the hand-over between two stages in one process. Checks its input as :meth:`encode` does;
+        the result is a new tensor in the format's decoded dtype (float32, float64 for ``fp64``)."""
+        self._check_input(x)
+        out = self._roundtrip(x.detach())
+        check_finite(out, f"decoded {self.name} payload")
+        return out.clone() if out.data_ptr() == x.data_ptr() else out
+
+    def _check_input(self, x: torch.Tensor) -> None:
         if x.dim() != 2:
             raise PayloadError(f"{self.name}: expected a 2-D tensor, got shape {tuple(x.shape)}")
         check_shape(*x.shape)
         check_finite(x, f"{self.name} input")
-        return EncodedTensor(self.name, x.shape[0], x.shape[1], self._encode(x.detach()))
 
     def decode(
         self, payload: EncodedTensor, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
@@ -98,6 +110,14 @@ class TensorFormat(ABC):
         # checked after the cast: a finite fp64 value can overflow the dtype the stage computes in
         check_finite(out, f"decoded {self.name} payload")
         return out
+
+    @abstractmethod
+    def encoded_size(self, rows: int, cols: int) -> int:
+        """Bytes :meth:`encode` produces for a ``rows x cols`` matrix (it depends on the shape only)."""
+
+    def _roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        """``_decode(_encode(x))`` on ``x.device``; formats override it to skip the bytes."""
+        return self._decode(self._encode(x), x.shape[0], x.shape[1], x.device)
 
     @abstractmethod
     def _encode(self, x: torch.Tensor) -> bytes:

@@ -24,10 +24,13 @@ from swarm.codecs.base import EncodedTensor, PayloadError, StaleVersionError, Te
 from swarm.codecs.rvq import ResidualVQ
 from swarm.runtime.wire import (
     ActivationFrame,
+    CarriedActivation,
+    CarriedGradient,
     GradientFrame,
     compress,
     decompress,
     pack_tokens,
+    token_bytes,
     unpack_tokens,
 )
 
@@ -80,6 +83,11 @@ class BoundaryCodec:
 
     ``zstd_level > 0`` compresses payload and token ids; it pays on ids, scales and
     quantised codes, hardly on raw floats (ratio ~1.1-1.3).
+
+    ``in_process`` (both neighbours in one process, on one device and dtype): the encoders hand
+    over :class:`CarriedActivation` / :class:`CarriedGradient`, the values the decoder would rebuild
+    and the frame's byte count, without serialising; not with zstd, whose size depends on the data.
+    The decoders take either kind.
     """
 
     def __init__(
@@ -90,10 +98,12 @@ class BoundaryCodec:
         vocab_size: int,
         max_seq_len: int,
         zstd_level: int = 0,
+        in_process: bool = False,
     ):
         self.map = boundary_map
         self.forward_format, self.backward_format = forward_format, backward_format
         self.vocab_size, self.max_seq_len, self.zstd_level = vocab_size, max_seq_len, zstd_level
+        self.in_process = in_process and zstd_level == 0
 
     @property
     def codebooks(self) -> ResidualVQ | None:
@@ -110,19 +120,32 @@ class BoundaryCodec:
 
     def encode_activation(
         self, z: torch.Tensor, token_ids: torch.Tensor, step: int, microbatch: int, version: int
-    ) -> ActivationFrame:
+    ) -> ActivationFrame | CarriedActivation:
         """Serialise coordinates ``z`` (B x T x w) and the ``B x (T+1)`` token ids."""
         batch, seq_len, width = z.shape
-        enc = self.forward_format.encode(z.reshape(batch * seq_len, width))
+        rows = z.reshape(batch * seq_len, width)
+        if self.in_process:
+            nbytes = self.forward_format.encoded_size(*rows.shape) + token_bytes(
+                token_ids.numel(), self.vocab_size
+            )
+            values = self.forward_format.roundtrip(rows).view(batch, seq_len, width)
+            return CarriedActivation(step, microbatch, version, values, token_ids, nbytes)
+        enc = self.forward_format.encode(rows)
         payload = EncodedTensor(enc.format, enc.rows, enc.cols, self._pack(enc.data))
         ids = self._pack(pack_tokens(token_ids, self.vocab_size))
         return ActivationFrame(step, microbatch, version, batch, seq_len, payload, ids, self.zstd_level > 0)
 
     def decode_activation(
-        self, frame: ActivationFrame, version: int, device: torch.device, dtype: torch.dtype
+        self,
+        frame: ActivationFrame | CarriedActivation,
+        version: int,
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Validate and decode a frame into (coordinates B x T x w, token ids B x (T+1))."""
         self._check_version(frame.subspace_version, version)
+        if isinstance(frame, CarriedActivation):
+            return frame.coordinates.to(device, dtype), frame.token_ids.to(device)
         if not (0 < frame.seq_len <= self.max_seq_len and 0 < frame.batch <= 1 << 16):
             raise PayloadError(f"frame shape batch={frame.batch} seq_len={frame.seq_len} out of range")
         self._check_payload(frame.payload, frame.batch * frame.seq_len)
@@ -132,17 +155,34 @@ class BoundaryCodec:
         z = self._decode(self.forward_format, frame.payload, frame.zstd, device, dtype)
         return z.view(frame.batch, frame.seq_len, -1), ids.to(device)
 
-    def encode_gradient(self, g: torch.Tensor, step: int, microbatch: int, version: int) -> GradientFrame:
+    def encode_gradient(
+        self, g: torch.Tensor, step: int, microbatch: int, version: int
+    ) -> GradientFrame | CarriedGradient:
         batch, seq_len, width = g.shape
-        enc = self.backward_format.encode(g.reshape(batch * seq_len, width))
+        rows = g.reshape(batch * seq_len, width)
+        if self.in_process:
+            values = self.backward_format.roundtrip(rows).view(batch, seq_len, width)
+            return CarriedGradient(
+                step, microbatch, version, values, self.backward_format.encoded_size(*rows.shape)
+            )
+        enc = self.backward_format.encode(rows)
         payload = EncodedTensor(enc.format, enc.rows, enc.cols, self._pack(enc.data))
         return GradientFrame(step, microbatch, version, payload, self.zstd_level > 0)
 
     def decode_gradient(
-        self, frame: GradientFrame, version: int, shape: torch.Size, device: torch.device, dtype: torch.dtype
+        self,
+        frame: GradientFrame | CarriedGradient,
+        version: int,
+        shape: torch.Size,
+        device: torch.device,
+        dtype: torch.dtype,
     ) -> torch.Tensor:
         """Decode the gradient of coordinates that were sent with shape ``shape`` (B x T x w)."""
         self._check_version(frame.subspace_version, version)
+        if isinstance(frame, CarriedGradient):
+            if frame.values.shape != shape:
+                raise PayloadError(f"gradient shape {tuple(frame.values.shape)}, expected {tuple(shape)}")
+            return frame.values.to(device, dtype)
         self._check_payload(frame.payload, shape[0] * shape[1])
         return self._decode(self.backward_format, frame.payload, frame.zstd, device, dtype).view(shape)
 

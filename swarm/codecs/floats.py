@@ -71,12 +71,21 @@ class _RawFloatFormat(TensorFormat):
 
     dtype: ClassVar[torch.dtype]
 
+    def encoded_size(self, rows: int, cols: int) -> int:
+        return rows * cols * self.dtype.itemsize
+
     def _encode(self, x: torch.Tensor) -> bytes:
         return pack(x, self.dtype)
 
     def _decode(self, data: bytes, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
-        check_size(data, rows * cols * self.dtype.itemsize, self.name)
+        check_size(data, self.encoded_size(rows, cols), self.name)
         values, _ = unpack(data, self.dtype, (rows, cols), device=device)
+        return self._widen(values)
+
+    def _roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return self._widen(x.to(self.dtype))
+
+    def _widen(self, values: torch.Tensor) -> torch.Tensor:
         return values.to(torch.promote_types(self.dtype, torch.float32))
 
 

@@ -30,17 +30,28 @@ class LowRankFormat(TensorFormat):
             raise ValueError(f"rank must be in [1, 65535], got {rank}")
         self.rank = rank
 
-    def _encode(self, x: torch.Tensor) -> bytes:
+    def encoded_size(self, rows: int, cols: int) -> int:
+        return _HEADER.size + 2 * min(self.rank, rows, cols) * (rows + cols)
+
+    def _factors(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``A`` (rows x r) and ``B`` (r x cols) in fp32, before their cast to fp16."""
         r = min(self.rank, *x.shape)
         if r == 0:
-            return _HEADER.pack(0)
+            return x.new_zeros(x.shape[0], 0, dtype=torch.float32), x.new_zeros(
+                0, x.shape[1], dtype=torch.float32
+            )
         u, s, vh = torch.linalg.svd(x.float(), full_matrices=False)
         root = s[:r].sqrt()
-        return (
-            _HEADER.pack(r)
-            + pack(u[:, :r] * root, torch.float16)
-            + pack(root[:, None] * vh[:r], torch.float16)
-        )
+        return u[:, :r] * root, root[:, None] * vh[:r]
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        a, b = self._factors(x)
+        return _HEADER.pack(a.shape[1]) + pack(a, torch.float16) + pack(b, torch.float16)
+
+    def _roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        a, b = self._factors(x)
+        a, b = a.to(torch.float16), b.to(torch.float16)
+        return a.float() @ b.float()
 
     def _decode(self, data: bytes, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
         if len(data) < _HEADER.size:

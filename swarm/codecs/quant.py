@@ -47,6 +47,11 @@ def absmax_dequantise(q: torch.Tensor, scale: torch.Tensor, qmax: int, what: str
     """Inverse of :func:`absmax_quantise`; rejects integers the encoder never produces."""
     if bool((q.to(torch.int16).abs() > qmax).any()):
         raise PayloadError(f"{what}: quantised value outside [-{qmax}, {qmax}]")
+    return rescale(q, scale)
+
+
+def rescale(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Integers times their row's scale: the values :func:`absmax_quantise` stands for."""
     return q.float() * scale.float()[:, None]
 
 
@@ -60,12 +65,19 @@ class RowInt8Format(TensorFormat):
     name = "int8_row"
     _QMAX = 127
 
+    def encoded_size(self, rows: int, cols: int) -> int:
+        return rows * (cols + 2)
+
     def _encode(self, x: torch.Tensor) -> bytes:
         q, scale = absmax_quantise(x, self._QMAX)
         return pack(scale, torch.float16) + pack(q, torch.int8)
 
+    def _roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale = absmax_quantise(x, self._QMAX)
+        return rescale(q, scale)
+
     def _decode(self, data: bytes, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
-        check_size(data, rows * (cols + 2), self.name)
+        check_size(data, self.encoded_size(rows, cols), self.name)
         scale, offset = unpack(data, torch.float16, (rows,), device=device)
         q, _ = unpack(data, torch.int8, (rows, cols), offset, device)
         return absmax_dequantise(q, scale, self._QMAX, self.name)
@@ -93,10 +105,21 @@ class BlockwiseFormat(TensorFormat):
     def _nblocks(self, rows: int, cols: int) -> int:
         return -(-rows * cols // self.block)
 
-    def _encode(self, x: torch.Tensor) -> bytes:
+    def encoded_size(self, rows: int, cols: int) -> int:
+        return self._nblocks(rows, cols) * (2 + self.block * self.bits // 8)
+
+    def _quantise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The blocks of ``x`` (zero-padded) as integers and their fp16 scales."""
         flat = x.reshape(-1)
         flat = torch.cat([flat, flat.new_zeros(-flat.numel() % self.block)])
-        q, scale = absmax_quantise(flat.view(-1, self.block), self.qmax)
+        return absmax_quantise(flat.view(-1, self.block), self.qmax)
+
+    def _roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        q, scale = self._quantise(x)
+        return rescale(q, scale).reshape(-1)[: x.numel()].view(x.shape)
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        q, scale = self._quantise(x)
         if self.bits == 4:
             u = (q + 8).to(torch.uint8).view(-1, 2)
             q = u[:, 0] | (u[:, 1] << 4)
@@ -104,7 +127,7 @@ class BlockwiseFormat(TensorFormat):
 
     def _decode(self, data: bytes, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
         nblocks = self._nblocks(rows, cols)
-        check_size(data, nblocks * (2 + self.block * self.bits // 8), self.name)
+        check_size(data, self.encoded_size(rows, cols), self.name)
         scale, offset = unpack(data, torch.float16, (nblocks,), device=device)
         if self.bits == 4:
             packed, _ = unpack(data, torch.uint8, (nblocks * self.block // 2,), offset, device)

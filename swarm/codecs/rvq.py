@@ -68,26 +68,41 @@ class ResidualVQ(TensorFormat):
 
     # -- wire format ------------------------------------------------------------------
 
-    def _encode(self, x: torch.Tensor) -> bytes:
+    def encoded_size(self, rows: int, cols: int) -> int:
+        return rows * (self.n_codebooks + 2)
+
+    def _quantise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's fp16 scale and its codes (``rows x n_codebooks``, uint8)."""
         scale, res = self._normalise(x)
         codes = torch.empty(x.shape[0], self.n_codebooks, dtype=torch.uint8, device=x.device)
         for level in range(self.n_codebooks):
             idx, _ = self._assign(res, level)
             codes[:, level] = idx
             res = res - self.codebooks[level].to(res.device)[idx]
+        return scale, codes
+
+    def _reconstruct(self, scale: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
+        """The rows that ``scale`` and ``codes`` (in range) stand for."""
+        levels = torch.arange(self.n_codebooks, device=codes.device)
+        out = self.codebooks.to(codes.device)[levels, codes.long()].sum(dim=1)
+        return out * scale.float()[:, None]
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        scale, codes = self._quantise(x)
         return pack(scale, torch.float16) + pack(codes, torch.uint8)
+
+    def _roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        return self._reconstruct(*self._quantise(x))
 
     def _decode(self, data: bytes, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
         if cols != self.dim:
             raise PayloadError(f"{self.name}: {cols} columns, codebooks have dimension {self.dim}")
-        check_size(data, rows * (self.n_codebooks + 2), self.name)
+        check_size(data, self.encoded_size(rows, cols), self.name)
         scale, offset = unpack(data, torch.float16, (rows,), device=device)
         codes, _ = unpack(data, torch.uint8, (rows, self.n_codebooks), offset, device)
-        codes = codes.long()
-        if bool((codes >= self.codebook_size).any()):
+        if bool((codes.long() >= self.codebook_size).any()):
             raise PayloadError(f"{self.name}: code >= codebook size {self.codebook_size}")
-        out = self.codebooks.to(device)[torch.arange(self.n_codebooks, device=device), codes].sum(dim=1)
-        return out * scale.float()[:, None]
+        return self._reconstruct(scale, codes)
 
     def _normalise(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """The stored fp16 row scales and the rows divided by them (zero rows stay zero)."""

@@ -25,14 +25,26 @@ class TopKFormat(TensorFormat):
             raise ValueError(f"k_per_row must be positive, got {k_per_row}")
         self.k_per_row = k_per_row
 
-    def _encode(self, x: torch.Tensor) -> bytes:
+    def encoded_size(self, rows: int, cols: int) -> int:
+        return rows * min(self.k_per_row, cols) * 4
+
+    def _select(self, x: torch.Tensor) -> torch.Tensor:
+        """Each row's kept column indices, increasing."""
         k = min(self.k_per_row, x.shape[1])
-        idx = x.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+        return x.abs().topk(k, dim=1, sorted=False).indices.sort(dim=1).values
+
+    def _encode(self, x: torch.Tensor) -> bytes:
+        idx = self._select(x)
         return pack(idx, torch.uint16) + pack(x.gather(1, idx), torch.float16)
+
+    def _roundtrip(self, x: torch.Tensor) -> torch.Tensor:
+        idx = self._select(x)
+        values = x.gather(1, idx).to(torch.float16)
+        return torch.zeros(x.shape, device=x.device).scatter_(1, idx, values.float())
 
     def _decode(self, data: bytes, rows: int, cols: int, device: torch.device | str) -> torch.Tensor:
         k = min(self.k_per_row, cols)
-        check_size(data, rows * k * 4, self.name)
+        check_size(data, self.encoded_size(rows, cols), self.name)
         idx, offset = unpack(data, torch.uint16, (rows, k), device=device)
         values, _ = unpack(data, torch.float16, (rows, k), offset, device)
         idx = idx.long()

@@ -1,7 +1,10 @@
 """The single-process pipeline: P stage workers in one process, GPipe microbatching by default.
 
-Frames between stages are the real thing (encoded to bytes, decoded and validated on
-the other side); only the transport is a function call. This is the oracle the
+Frames between stages carry what the wire would: the values the receiver decodes and, counted
+from the formats, the bytes. By default they are handed over on the device without being
+serialised (:class:`~swarm.runtime.wire.CarriedActivation`), bit for bit what a decoded frame
+holds; ``frames=True`` (or zstd, whose size depends on the data) encodes every crossing to bytes
+and decodes it on the other side, the wire's own code path. This is the oracle the
 distributed runtime is tested against and the engine of the convergence experiments. The
 microbatch order and the end-of-step syncs come from :mod:`swarm.runtime.steps`, as on a node.
 """
@@ -23,7 +26,7 @@ from swarm.runtime.steps import (
     share_mapl_gradients,
     ship_codebooks,
 )
-from swarm.runtime.wire import ActivationFrame, GradientFrame
+from swarm.runtime.wire import ActivationFrame, CarriedActivation, CarriedGradient, GradientFrame
 from swarm.runtime.worker import StageWorker
 
 
@@ -47,7 +50,8 @@ class StepResult:
 
 class LocalPipeline:
     """All stages of a run in this process, following the microbatch order of ``schedule``
-    (``norm_bound``: check boundary norms as a swarm node does)."""
+    (``norm_bound``: check boundary norms as a swarm node does; ``frames``: serialise every
+    boundary crossing instead of handing the decoded values over)."""
 
     def __init__(
         self,
@@ -56,11 +60,21 @@ class LocalPipeline:
         dtype: torch.dtype = torch.float32,
         norm_bound: NormBound | None = None,
         schedule: str = "gpipe",
+        frames: bool = False,
     ):
         self.config, self.schedule = config, schedule
         fixed, basis = initial_artifacts(config)
         self.workers = [
-            StageWorker(config, i, fixed, basis, device=device, dtype=dtype, norm_bound=norm_bound)
+            StageWorker(
+                config,
+                i,
+                fixed,
+                basis,
+                device=device,
+                dtype=dtype,
+                norm_bound=norm_bound,
+                in_process=not frames,
+            )
             for i in range(config.n_stages)
         ]
         self.version = 0
@@ -74,8 +88,10 @@ class LocalPipeline:
             w.begin_step(step)
         chunks = token_ids.chunk(self.config.train.microbatches)
         fwd, bwd = [0] * (len(self.workers) - 1), [0] * (len(self.workers) - 1)
-        activations: dict[tuple[int, int], ActivationFrame] = {}  # by (boundary, microbatch)
-        gradients: dict[tuple[int, int], GradientFrame] = {}
+        activations: dict[
+            tuple[int, int], ActivationFrame | CarriedActivation
+        ] = {}  # by (boundary, microbatch)
+        gradients: dict[tuple[int, int], GradientFrame | CarriedGradient] = {}
         losses = []
         for stage, (kind, mb) in pipeline_order(self.schedule, len(self.workers), len(chunks)):
             w = self.workers[stage]

@@ -5,7 +5,9 @@ An :class:`ActivationFrame` goes forward (coordinates + token ids), a
 the step, the microbatch and the subspace version the coordinates were encoded under;
 the receiver rejects a version it is not at. Token ids are packed as uint16 whenever
 the vocabulary fits. The optional zstd stage is bounded on decompression, so a small
-hostile frame cannot expand into an arbitrarily large buffer.
+hostile frame cannot expand into an arbitrarily large buffer. Stages in one process hand
+over :class:`CarriedActivation` / :class:`CarriedGradient` instead: the same values and byte
+counts, without the bytes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ MAX_FRAME_BYTES = 256 << 20
 
 def token_dtype(vocab_size: int) -> np.dtype:
     return np.dtype("<u2") if vocab_size <= 1 << 16 else np.dtype("<i4")
+
+
+def token_bytes(count: int, vocab_size: int) -> int:
+    """Bytes of ``count`` token ids as :func:`pack_tokens` packs them."""
+    return count * token_dtype(vocab_size).itemsize
 
 
 def pack_tokens(tokens: torch.Tensor, vocab_size: int) -> bytes:
@@ -97,6 +104,31 @@ class GradientFrame:
     @property
     def nbytes(self) -> int:
         return self.payload.nbytes
+
+
+@dataclass(frozen=True)
+class CarriedActivation:
+    """An :class:`ActivationFrame` handed over inside one process: the coordinates as the receiver
+    would decode them (``B x T x w``, on the sender's device) and the token ids, with the byte
+    count the frame would have had (from the formats, no serialisation)."""
+
+    step: int
+    microbatch: int
+    subspace_version: int
+    coordinates: torch.Tensor
+    token_ids: torch.Tensor
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class CarriedGradient:
+    """A :class:`GradientFrame` handed over inside one process (see :class:`CarriedActivation`)."""
+
+    step: int
+    microbatch: int
+    subspace_version: int
+    values: torch.Tensor
+    nbytes: int
 
 
 @dataclass(frozen=True)

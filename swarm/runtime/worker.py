@@ -4,7 +4,8 @@
 together. Per microbatch it turns an incoming :class:`~swarm.runtime.wire.ActivationFrame`
 (or the token ids, on stage 0) into an outgoing frame (or the loss, on the last stage),
 and an incoming :class:`~swarm.runtime.wire.GradientFrame` into the one it sends upstream. Every
-boundary crossing is a real encode -> bytes -> decode. At the end of a step the
+boundary crossing is a real encode -> bytes -> decode (or, between workers in one process, the
+same values handed over with the bytes counted from the formats). At the end of a step the
 worker exchanges what its boundary neighbours need (MAPL gradient shares, RVQ codebook
 deltas), steps its optimizer, and applies subspace rotations at their announced step.
 """
@@ -29,7 +30,7 @@ from swarm.core.subspace import BoundaryStatistic, SubspaceRotation, rotate_stag
 from swarm.runtime.emulation import EmulatedStage
 from swarm.runtime.norm_guard import NormBound, NormGuard
 from swarm.runtime.outer_step import OuterStep
-from swarm.runtime.wire import ActivationFrame, GradientFrame
+from swarm.runtime.wire import ActivationFrame, CarriedActivation, CarriedGradient, GradientFrame
 
 
 def _build_stage(
@@ -60,7 +61,8 @@ class StageStats:
 
 
 class StageWorker:
-    """Stage ``index`` of a run: builds its layers from the run seed and codecs from the config."""
+    """Stage ``index`` of a run: builds its layers from the run seed and codecs from the config
+    (``in_process``: its neighbours are in this process; frames are carried, not serialised)."""
 
     def __init__(
         self,
@@ -71,8 +73,9 @@ class StageWorker:
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         norm_bound: NormBound | None = None,
+        in_process: bool = False,
     ):
-        self.config, self.index = config, index
+        self.config, self.index, self.in_process = config, index, in_process
         # What neighbours send is bounded against its recent norms (None: not checked; the
         # single-process pipeline trusts itself).
         self.activation_guard = (
@@ -142,6 +145,7 @@ class StageWorker:
             model.vocab_size,
             model.max_seq_len,
             cfg.zstd_level,
+            self.in_process,
         )
 
     def parameters(self) -> list[torch.nn.Parameter]:
@@ -152,7 +156,13 @@ class StageWorker:
 
     # -- microbatch traffic ---------------------------------------------------------------------
 
-    def forward(self, step: int, microbatch: int, source: torch.Tensor | ActivationFrame, train: bool = True):
+    def forward(
+        self,
+        step: int,
+        microbatch: int,
+        source: torch.Tensor | ActivationFrame | CarriedActivation,
+        train: bool = True,
+    ):
         """Run the stage on one microbatch.
 
         ``source`` is the ``B x (T+1)`` token ids on stage 0 and an activation frame
@@ -169,7 +179,7 @@ class StageWorker:
             with layer_autocast(self.config.train.precision, self.device):
                 x = self.stage(ids[:, :-1])
         else:
-            if not isinstance(source, ActivationFrame):
+            if not isinstance(source, (ActivationFrame, CarriedActivation)):
                 raise TypeError(f"stage {self.index} takes an activation frame")
             self._check_step(source.step, step)
             z, ids = self.inbound.decode_activation(source, self.version, self.device, self.dtype)
@@ -221,7 +231,7 @@ class StageWorker:
         """Microbatches whose activations are held for their backward pass."""
         return len(self._microbatches)
 
-    def backward(self, step: int, microbatch: int, gradient: GradientFrame | None = None):
+    def backward(self, step: int, microbatch: int, gradient: GradientFrame | CarriedGradient | None = None):
         """Backpropagate one microbatch; returns the frame for the previous stage (None on stage 0)."""
         saved = self._microbatches.pop(microbatch, None)
         if saved is None:
