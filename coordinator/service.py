@@ -311,13 +311,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if peer is None or not self.planner.neighbours(request.node_id, peer.id):
             self.planner.new_epoch(f"node {request.node_id[:8]}: {request.reason}")
             return
-        if self.planner.link_failed(request.node_id, peer.id, request.plan_epoch):
-            return  # the pair failed in two consecutive epochs: placed around it (a new epoch)
         # The accused answers: its own failure may come from a host that died elsewhere in the
         # pipeline (a step fails at every stage), whose own report would arrive too late, as a report
-        # of an epoch already replaced. Find that host now rather than restart twice.
-        if not await self._evict_silent_hosts({request.node_id, peer.id}, request.plan_epoch):
-            self.planner.new_epoch(f"node {request.node_id[:8]}: {request.reason}")
+        # of an epoch already replaced. Find that host now rather than restart twice, and before
+        # blaming the link: two deaths in a row elsewhere fail this pair's link in two epochs too.
+        if await self._evict_silent_hosts({request.node_id, peer.id}, request.plan_epoch):
+            return
+        if self.planner.link_failed(request.node_id, peer.id, request.plan_epoch):
+            return  # the pair failed in two consecutive epochs: placed around it (a new epoch)
+        self.planner.new_epoch(f"node {request.node_id[:8]}: {request.reason}")
 
     async def _evict_silent_hosts(self, cleared: set[str], epoch: int) -> bool:
         """Ping every other reachable stage host of ``epoch`` (concurrently) and evict those that are

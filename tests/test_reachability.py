@@ -439,6 +439,39 @@ def test_a_failure_reported_between_live_nodes_finds_the_host_that_died_elsewher
     assert "stage owners changed" in caplog.text
 
 
+def test_two_deaths_in_a_row_elsewhere_do_not_break_a_live_pair(tmp_path: Path):
+    """Stage 0's host dies, then the standby that took its place: both times stage 2 reports its link
+    to stage 1 broken (the step failed everywhere). The pair failed in two consecutive epochs, but
+    both ends answer and a host elsewhere does not: the coordinator evicts the dead host each time
+    (one epoch per death) and keeps the live pair together, not placed apart as a broken link."""
+
+    async def scenario() -> tuple[list[int], dict[str, list[int]], set, list[bool]]:
+        async with contextlib.AsyncExitStack() as stack:
+            service, stub = await serving_coordinator(stack, tmp_path, 3)
+            joined, servers = {}, {}
+            for name in ("a", "b", "c", "s", "t"):
+                servers[name] = StageServer()
+                joined[name] = await stub.Join(
+                    join_request(name, await servers[name].__aenter__()), timeout=10
+                )
+            for name in "bct":
+                stack.push_async_callback(servers[name].__aexit__, None, None, None)
+            epochs = [service.ledger.plan_epoch]
+            for dying in "as":  # stage 0's host, then the standby that replaced it
+                await servers[dying].__aexit__(None, None, None)
+                await report_failure(stub, service, joined["c"], joined["b"].node_id)
+                epochs.append(service.ledger.plan_epoch)
+            nodes = service.roster.nodes
+            stages = {n: nodes[joined[n].node_id].stages for n in joined}
+            alive = [nodes[joined[n].node_id].alive for n in "as"]
+            return epochs, stages, service.roster.broken, alive
+
+    epochs, stages, broken, alive = asyncio.run(asyncio.wait_for(scenario(), 60))
+    assert epochs == [epochs[0], epochs[0] + 1, epochs[0] + 2]
+    assert alive == [False, False] and not broken
+    assert stages == {"a": [], "b": [1], "c": [2], "s": [], "t": [0]}
+
+
 def test_a_relayed_link_that_fails_twice_moves_to_another_relay(tmp_path: Path):
     """Two dial-only nodes, two relays that both answer pings: the link fails through the first in
     two consecutive epochs (a relay that answers but does not splice), so the next plan routes it
