@@ -118,11 +118,17 @@ def check_hello(
             stage_pb2.ERROR_CODE_WRONG_BOUNDARY,
             f"boundary {h.boundary} stage {h.stage} is not served here",
         )
+    if h.plan_epoch != identity.plan_epoch:  # secrets are per epoch: one side has the newer plan
+        return (
+            stage_pb2.ERROR_CODE_PLAN_EPOCH,
+            f"node {h.node_id[:8]} at plan epoch {h.plan_epoch}; "
+            f"this side follows epoch {identity.plan_epoch}",
+        )
     peer = planned(peers, h.node_id)
     candidates = [peer] if peer is not None else peers
     if not any(hmac.compare_digest(h.auth_token.encode(), p.secret.encode()) for p in candidates):
         return stage_pb2.ERROR_CODE_UNAUTHENTICATED, f"wrong secret for boundary {h.boundary}"
-    if h.plan_epoch != identity.plan_epoch or peer is None:
+    if peer is None:
         names = ", ".join(p.node_id[:8] for p in peers)
         return (
             stage_pb2.ERROR_CODE_PLAN_EPOCH,

@@ -61,9 +61,10 @@ class Acceptor:
     attach_to: Attach
     identity: RunIdentity = SERVER
     stages: list[int] = field(default_factory=lambda: [1])
+    up: PlannedPeer = UP_PEER
 
     def peers_of(self, boundary: int) -> list[PlannedPeer]:
-        return [UP_PEER] if boundary == 0 else []
+        return [self.up] if boundary == 0 else []
 
     def local_stage(self, boundary: int) -> int:
         assert boundary == 0
@@ -204,6 +205,39 @@ def test_streams_waiting_for_their_hello_are_capped_per_host():
                     await asyncio.sleep(0.02)
             finally:
                 await channel.close()
+
+    run(main())
+
+
+def test_a_dialler_with_the_newer_plan_waits_for_the_acceptor_to_get_it():
+    """The dialler has epoch 4's plan (and its secret) before the acceptor does: the acceptor, still
+    at epoch 3, answers PLAN_EPOCH (not UNAUTHENTICATED, which would fail the new epoch at once),
+    and the dialler tries again until the acceptor follows epoch 4 too."""
+    newer, secret = replace(CLIENT, plan_epoch=EPOCH + 1), "boundary-0-epoch-4-secret"
+
+    async def main() -> None:
+        async with stage_server(hold) as server:
+            dialling = asyncio.create_task(
+                dial(
+                    server.address,
+                    newer,
+                    0,
+                    0,
+                    replace(DOWN_PEER, secret=secret),
+                    Metrics("node"),
+                    timeout=10,
+                )
+            )
+            while not rejected(server.metrics, "plan_epoch"):
+                assert not dialling.done(), dialling
+                await asyncio.sleep(0.05)
+            server.service.acceptor = Acceptor(
+                hold, replace(SERVER, plan_epoch=EPOCH + 1), up=replace(UP_PEER, secret=secret)
+            )
+            link, channel = await dialling
+            await link.close()
+            await channel.close()
+            assert "unauthenticated" not in rejections(server.metrics)
 
     run(main())
 
