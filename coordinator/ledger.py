@@ -57,19 +57,25 @@ class Ledger:
         """The microbatches of ``stage`` dealt to ``node_id`` this epoch, ascending."""
         return sorted(mb for mb, owner in self.dealt[stage].items() if owner == node_id)
 
-    def start_epoch(self, reason: str, progressed: bool) -> None:
+    def start_epoch(
+        self, reason: str, progressed: bool, after_own_step: int | None = None, planned: bool = False
+    ) -> None:
         """A new plan epoch, resuming from the latest verified cut; later snapshot records are dropped.
 
-        ``progressed``: whether any step completed (then the epoch counts as a restart).
+        ``progressed``: whether any step completed (then the epoch counts as a restart, unless
+        ``planned``: replicas joining at a cut just taken for them). ``after_own_step``: resume right
+        after that step instead, every host from the state it kept of it (a replica died, its
+        siblings go on): nothing rolls back, and it is no restart.
         """
-        cut = self._latest_verified_cut()
+        cut = self._latest_verified_cut() if after_own_step is None else after_own_step
         self._forget([r for r in self.checkpoints.values() if r.step > cut])
-        restarted = progressed or self.resume_step > 0
+        restarted = (progressed or self.resume_step > 0) and after_own_step is None and not planned
         self.plan_epoch, self.resume_step = self.plan_epoch + 1, cut + 1
         self.restarts += int(restarted)
         self.state.set_epoch(self.plan_epoch, self.resume_step, self.restarts)
         self.metrics.plan_epoch.set(self.plan_epoch)
-        log.info("plan epoch %d (%s): resume at step %d", self.plan_epoch, reason, self.resume_step)
+        source = " from the hosts' own states" if after_own_step is not None else ""
+        log.info("plan epoch %d (%s): resume at step %d%s", self.plan_epoch, reason, self.resume_step, source)
 
     def link_secret(self, boundary: int, up: str, down: str) -> str:
         """The secret of the link from ``up`` to ``down`` across ``boundary``, this epoch."""
@@ -77,10 +83,12 @@ class Ledger:
         return hmac.new(self.link_key, ends, hashlib.sha256).hexdigest()
 
     def restore(self, stages: Sequence[int]) -> list[coordinator_pb2.StageCheckpoint]:
-        """The snapshots ``stages`` resume from this epoch (none when it starts at step 0)."""
+        """The snapshots ``stages`` resume from this epoch (none when it starts at step 0, or after a
+        step that is no cut: the hosts then resume from their own states)."""
         if self.resume_step <= 0:
             return []
-        records = [self.checkpoints[(self.resume_step - 1, s)] for s in stages]
+        keys = [(self.resume_step - 1, s) for s in stages]
+        records = [self.checkpoints[key] for key in keys if key in self.checkpoints]
         return [
             coordinator_pb2.StageCheckpoint(stage=r.stage, step=r.step, digest=r.digest, size=r.size)
             for r in records

@@ -60,6 +60,8 @@ class Planner:
         self._relayed: list[str] = []  # the relayed links of the current epoch's plan
         self._failed: dict[frozenset[str], int] = {}  # a pair of nodes -> the last epoch their link failed
         self.problems: list[str] = self._problems(roster.owners())
+        self._growth_pending = False  # standbys wait to join as replicas at the next cut
+        self._growing = False
         self._deal()
 
     def evict(self, node: NodeRecord) -> None:
@@ -68,24 +70,73 @@ class Planner:
         before = self.roster.owners()
         self.relays.drop(node.id)  # its relay goes with it: plan without
         self.roster.retire(node)
-        self.replan(before)
+        self.replan(before, lost=node.id)
         if self.relayed_links() != self._relayed and not self.progress.run_complete:
             self.new_epoch(f"node {node.id[:8]} left with the relay links ran through")
 
-    def replan(self, before: Owners) -> None:
-        """Reassign stages (the one place that does); a new epoch when the owners differ from ``before``."""
+    def replan(self, before: Owners, lost: str | None = None) -> None:
+        """Reassign stages (the one place that does); a new epoch when the owners differ from ``before``.
+
+        ``lost``: the node just taken out. Where it was a replica (every stage it hosted keeps a live
+        host) the others go on from their own states of the last completed step and nothing else
+        changes now; standbys join stages as replicas at the next cut (requested), so an added
+        replica does not roll the run back either."""
         if not self.progress.run_complete:
+            survivors = self._without(before, lost) if lost is not None else None
+            if survivors is not None:
+                self.roster.host(survivors)
+                self._show_problems(self._problems(survivors))
+                self.new_epoch(f"replica {lost[:8]} is gone, its siblings go on", own_states=True)
+                self.roster.show_alive()
+                return
             reach = self.roster.reach()
             owners = place(self.roster.owners(), self.roster.members(), reach)
             if self.relays.alive:  # free stages no direct link could serve: relayed links serve them
                 owners = place(owners, self.roster.members(), EVERYONE)
             if self.config.train.replicas > 1:
                 owners = self._add_replicas(owners, reach)
+                if self._only_grows(before, owners):
+                    self._await_cut_for_growth()
+                    owners = before
             self.roster.host(owners)
             self._show_problems(self._problems(owners))
             if owners != before:
                 self.new_epoch("stage owners changed")
         self.roster.show_alive()
+
+    def _without(self, before: Owners, lost: str) -> Owners | None:
+        """``before`` without ``lost`` when it was a replica wherever it hosted and the run has steps
+        its other hosts can resume after (None otherwise)."""
+        if self.config.train.replicas <= 1 or self.progress.completed < 0:
+            return None
+        if not any(lost in hosts for hosts in before):
+            return None
+        survivors = [tuple(h for h in hosts if h != lost) for hosts in before]
+        return survivors if all(survivors) else None
+
+    def _only_grows(self, before: Owners, owners: Owners) -> bool:
+        """Whether ``owners`` only adds replicas to stages that have hosts, once the run has begun
+        (such a change waits for a cut; one that fills a free stage cannot wait)."""
+        if self._growing or self.progress.completed < 0 or owners == before:
+            return False
+        return all(set(b) <= set(o) and (b or not o) for b, o in zip(before, owners, strict=True))
+
+    def _await_cut_for_growth(self) -> None:
+        if not self._growth_pending:
+            self._growth_pending = True
+            self.ledger.cut_requests += 1
+            log.info("standbys can join as replicas: a snapshot cut is requested, they join at it")
+
+    def cut_completed(self, step: int) -> None:
+        """A cut after ``step`` is complete: the standbys waiting to join as replicas join now, the run
+        resuming right after it (its hosts from their own states, the newcomers from its snapshots)."""
+        if not self._growth_pending or self.progress.run_complete:
+            return
+        self._growth_pending, self._growing = False, True
+        try:
+            self.replan(self.roster.owners())
+        finally:
+            self._growing = False
 
     def link_failed(self, node_id: str, peer_id: str, epoch: int) -> bool:
         """Note that the planned link between the live nodes ``node_id`` and ``peer_id`` broke or
@@ -122,11 +173,16 @@ class Planner:
         if self.relayed_links() != self._relayed and not self.progress.run_complete:
             self.new_epoch("the relays that answer changed")
 
-    def new_epoch(self, reason: str) -> None:
-        """Start a plan epoch with the current owners (microbatches dealt anew)."""
+    def new_epoch(self, reason: str, own_states: bool = False) -> None:
+        """Start a plan epoch with the current owners (microbatches dealt anew), from the latest cut
+        or (``own_states``) right after the last completed step."""
         self._deal()
         self._relayed = self.relayed_links()
-        self.ledger.start_epoch(reason, progressed=self.progress.completed >= 0)
+        after = self.progress.completed if own_states else None
+        progressed = self.progress.completed >= 0
+        self.ledger.start_epoch(reason, progressed, after_own_step=after, planned=self._growing)
+        if self._growth_pending:  # the cut asked for may have been lost with the epoch it was marked in
+            self.ledger.cut_requests += 1
 
     def heard(self, node: NodeRecord, request: coordinator_pb2.HeartbeatRequest) -> None:
         """Note a heartbeat. Its capacity and averaging address matter to replicas: standbys that can

@@ -407,6 +407,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         new_cut = self.ledger.add_checkpoint(CheckpointRecord(c.step, c.stage, c.digest, c.size))
         if new_cut == self.config.train.steps - 1:  # the final cut: write the trained model
             self.artifacts.export(self.config, self.ledger.records())
+        elif new_cut is not None:
+            self.planner.cut_completed(new_cut)
         return coordinator_pb2.CheckpointAck(latest_cut=self.ledger.latest_cut() + 1)
 
     async def ReportStatistics(self, request, context):

@@ -35,6 +35,7 @@ import torch
 from swarm.node.coordinator_client import CoordinatorClient, CoordinatorUnreachable, Fenced, JoinRefused
 from swarm.node.link_manager import LinkManager, unreachable_boundaries
 from swarm.node.links import CLOSE_FLUSH_S, BadFrameError, LinkError, RunIdentity
+from swarm.node.own_states import OwnStates
 from swarm.node.replica_averaging import ReplicaGroup, Sibling
 from swarm.node.settings import NodeSettings
 from swarm.node.stage_host import Checkpointer, StageHost
@@ -159,6 +160,8 @@ class NodeDaemon:
         fixed, fetched = await self._embedding(reply.embedding_digest, reply.embedding_size)
         store = SnapshotStore(self.settings.data_dir / "snapshots", self.config.checkpoint.keep)
         self.checkpointer = Checkpointer(store, self.client, self.metrics)
+        # with replicas, an epoch may resume from the states the stages held after their last steps
+        self.own_states = OwnStates() if self.config.train.replicas > 1 else None
         await self._publish(reply)
         hosted, finished = await self._follow_plans(fixed)
         with contextlib.suppress(TimeoutError):
@@ -363,6 +366,7 @@ class NodeDaemon:
             self._dataset,
             self.settings.timeouts,
             averaging_for,
+            self.own_states,
         )
         await host.build()
         links = LinkManager(

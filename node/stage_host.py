@@ -2,10 +2,11 @@
 
 Every epoch starts from fresh :class:`~swarm.runtime.worker.StageWorker` objects (built off the
 event loop): from the run seed when the epoch resumes at step 0, else restored from the
-snapshots of the epoch's cut (the node's own verified copy when it has one, else fetched
-from the coordinator). Consecutive hosted stages talk in memory. After each step the
-step reports are queued for the coordinator; after each cut step every stage's state is
-captured and handed to the :class:`Checkpointer`, which writes it to disk and uploads it
+node's own state of the step before it (:class:`~swarm.node.own_states.OwnStates`, kept in runs
+with replicas) or from the snapshots of the epoch's cut (the node's own verified copy when it has
+one, else fetched from the coordinator). Consecutive hosted stages talk in memory. After each
+step the step reports are queued for the coordinator; after each cut step every led stage's state
+is captured and handed to the :class:`Checkpointer`, which writes it to disk and uploads it
 in the background while training goes on.
 """
 
@@ -20,6 +21,7 @@ from collections.abc import Callable
 import torch
 from swarm.node.coordinator_client import CoordinatorClient
 from swarm.node.links import LocalLink
+from swarm.node.own_states import OwnStates
 from swarm.node.schedule import StageAveraging, StageRunner, StepOutcome
 from swarm.node.settings import Timeouts
 
@@ -128,8 +130,10 @@ class StageHost:
         dataset: Callable[[], TokenDataset],
         timeouts: Timeouts,
         averaging_for: AveragingFactory | None = None,
+        own: OwnStates | None = None,
     ):
         self.config, self.plan, self.fixed, self.device = config, plan, fixed, device
+        self.own = own  # this node's states after its latest steps (runs with replicas)
         self.client, self.checkpointer, self.metrics = client, checkpointer, metrics
         self.dataset, self.timeouts = dataset, timeouts
         self.averaging_for = averaging_for
@@ -147,23 +151,40 @@ class StageHost:
     # -- building -------------------------------------------------------------------------------
 
     async def build(self) -> None:
-        """Build the stages (off the event loop) and restore them from the epoch's cut."""
+        """Build the stages (off the event loop) and restore them at the epoch's resume step: from this
+        node's own state of the step before when it kept one, else from the cut's snapshot."""
+        resume = self.plan.resume_step
+        own: dict[int, dict] = {}
+        if self.own is not None:
+            self.own.forget_from(resume)
+            kept = {s: self.own.take(s, resume - 1, self.device) for s in self.plan.stages if resume > 0}
+            own = {s: state for s, state in kept.items() if state is not None}
         snapshots = {}
         for ref in self.plan.restore:
+            if ref.stage in own:
+                continue
             self.client.set_phase(cpb.NODE_PHASE_FETCHING)
             data = await asyncio.to_thread(self.checkpointer.store.read, ref.stage, ref.step, ref.digest)
             if data is None:
                 data = await self.client.fetch(ref.digest, ref.size)
                 await asyncio.to_thread(self.checkpointer.store.write, ref.stage, ref.step, data)
             snapshots[ref.stage] = data
+        missing = [s for s in self.plan.stages if resume > 0 and s not in own and s not in snapshots]
+        if missing:
+            raise RuntimeError(
+                f"no state of stage(s) {missing} after step {resume - 1}: this node kept none and the "
+                "plan names no snapshot"
+            )
+        for s in own:
+            say(f"stage {s}: resumed from this node's own state after step {resume - 1}")
         self.client.set_phase(cpb.NODE_PHASE_LOADING)
-        await asyncio.to_thread(self._build, snapshots)
+        await asyncio.to_thread(self._build, snapshots, own)
         for s, runner in self.runners.items():
             nxt = self.runners.get(s + 1)
             if nxt is not None:
                 connect_local(runner, nxt, self.node_id)
 
-    def _build(self, snapshots: dict[int, bytes]) -> None:
+    def _build(self, snapshots: dict[int, bytes], own: dict[int, dict]) -> None:
         basis = initial_basis(self.config)
         t = self.config.train
         owners = microbatch_owners(self.plan)
@@ -175,8 +196,11 @@ class StageHost:
             if worker.is_first:
                 sampler = BatchSampler(self.dataset().train, t.batch_size, t.seq_len, t.seed)
                 self.sampler = sampler
-            if s in snapshots:
-                step = checkpoint.restore(worker, checkpoint.from_bytes(snapshots[s], self.device), sampler)
+            state = own.get(s)
+            if state is None and s in snapshots:
+                state = checkpoint.from_bytes(snapshots[s], self.device)
+            if state is not None:
+                step = checkpoint.restore(worker, state, sampler)
                 if step != self.plan.resume_step - 1:
                     raise RuntimeError(f"snapshot of stage {s} is of step {step}, the plan resumes after it")
             rotation_ready = self._rotation_ready(worker) if self.rotating else None
@@ -253,10 +277,16 @@ class StageHost:
             tokens = results[0].own_tokens
             capacity = tokens / busy if busy > 0 else 0.0
             self.client.progress(step, tokens / seconds if seconds > 0 else 0.0, version, capacity)
-            if any(o.cut for o in results) or self.config.checkpoint.is_cut(step, steps):
+            cut = any(o.cut for o in results) or self.config.checkpoint.is_cut(step, steps)
+            if cut or self.own is not None:
                 states = await asyncio.to_thread(self._capture, step)
-                if states:
-                    self.checkpointer.submit(epoch, states)
+                if self.own is not None:
+                    for state in states:
+                        self.own.put(state)
+                led = [state for state in states if state["stage"] in self.leads]
+                if cut and led:
+                    self.checkpointer.submit(epoch, led)
+            if cut:
                 self.last_cut = step
                 if leaving.is_set():
                     return False
@@ -266,11 +296,11 @@ class StageHost:
         return True
 
     def _capture(self, step: int) -> list[dict]:
-        """Snapshots of the stages this node leads (replicas hold identical state: one is stored)."""
+        """The state of every hosted stage after ``step`` (replicas hold identical state: only the
+        lead's is stored at a cut; each keeps its own in :class:`OwnStates`)."""
         return [
             checkpoint.capture(r.worker, step, self.sampler if r.worker.is_first else None)
-            for s, r in self.runners.items()
-            if s in self.leads
+            for r in self.runners.values()
         ]
 
     def _statistic_due(self, step: int) -> bool:

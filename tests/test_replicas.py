@@ -165,15 +165,17 @@ def test_replicas_taking_outer_steps_train_and_sync_in_int8(tmp_path):
     assert losses[-1] / single[-1] < 1.1  # and no worse than averaging every step
 
 
-KILL_STEP = 15  # after the cut at step 9: the run rolls back to step 10 without the dead replica
+KILL_STEP = 15  # past the cut at step 9: the survivors go on from the step in flight, not from 10
 
 
 @pytest.mark.parametrize("when", [pytest.param("forward", marks=pytest.mark.slow), "averaging"])
 def test_a_replica_killed_mid_step_is_dropped_and_the_run_loses_nothing(tmp_path, when):
     """kill -9 (the whole process group: its P2P daemon dies too) of a stage replica while it
     computes a microbatch, or in the middle of the averaging round: the survivors' step fails, the
-    coordinator finds the replica dead and starts an epoch without it from the latest cut, and the
-    run finishes every step with the single-process losses, each step counting each token once."""
+    coordinator finds the replica dead and starts an epoch without it right after the last completed
+    step, every host resuming from its own state (no snapshot, nothing rolled back to the cut at
+    step 9, no epoch restart counted), and the run finishes every step with the single-process
+    losses, each step counting each token once."""
     config = replica_run(tmp_path, "gpipe")
     with processes() as procs:
         address = coordinator(procs, tmp_path, config, dht=True)
@@ -187,7 +189,10 @@ def test_a_replica_killed_mid_step_is_dropped_and_the_run_loses_nothing(tmp_path
         assert dying.wait(5) == -9, dying.output()
         assert replica_lines(dying), dying.output()
     (gone,) = [n for n in final.nodes if n.node_name == "dying"]
-    assert not gone.alive and not gone.left and final.epochs_restarted >= 1
+    assert not gone.alive and not gone.left and final.epochs_restarted == 0
+    assert final.resume_step >= KILL_STEP  # at most the step in flight is redone
+    coordinator_log = (tmp_path / "coordinator.err").read_text()
+    assert "its siblings go on" in coordinator_log and "from the hosts' own states" in coordinator_log
     t = config.train
     assert [s.step for s in final.steps] == list(range(STEPS))
     assert all(s.tokens == t.batch_size * t.seq_len for s in final.steps)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import random
 import re
 import shlex
+import signal
 import socket
 import subprocess
 import sys
@@ -174,6 +176,38 @@ def test_swarm_up_command_runs_to_completion(tmp_path):
         timeout=120,
     )
     assert generated.returncode == 0 and generated.stdout.startswith("ROMEO:"), generated.stderr[-2000:]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Pids of the live processes whose command line contains ``text``."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if entry.name.isdigit() and text in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                pids.append(int(entry.name))
+        except OSError:  # gone meanwhile
+            continue
+    return pids
+
+
+def test_swarm_up_stopped_by_sigterm_leaves_no_process_behind(tmp_path):
+    """``kill PID`` of ``swarm up`` (as a service manager stops it) stops its coordinator and nodes too."""
+    run_dir = tmp_path / "terminated"
+    args = [sys.executable, "-m", "swarm.cli", "up", "--preset", "tiny", "--steps", "100000", "--stages", "2"]
+    args += ["--batch-size", "4", "--seq-len", "32", "--no-dht", "--run-dir", str(run_dir)]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        for line in proc.stdout:  # bounded by the test's timeout
+            if "watch the run" in line:
+                break
+        assert processes_mentioning(str(run_dir)), "the nodes were not started"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+        assert processes_mentioning(str(run_dir)) == []
+    finally:
+        proc.kill()
+        for pid in processes_mentioning(str(run_dir)):
+            os.kill(pid, signal.SIGKILL)
 
 
 def free_port_range(n: int) -> int:

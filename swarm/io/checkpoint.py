@@ -41,14 +41,15 @@ SNAPSHOT_FORMAT = 1
 _NAME = re.compile(r"^stage(\d+)-step(\d+)-([0-9a-f]{64})\.snap$")
 
 
-def _cpu_copy(obj: Any) -> Any:
-    """A copy of ``obj`` with every tensor copied to host memory (a GPU holds no extra snapshot)."""
+def copied(obj: Any, device: torch.device | str = "cpu") -> Any:
+    """A copy of ``obj`` (a capture, or any part of one) with every tensor copied to ``device``
+    (host memory by default: a GPU holds no extra snapshot)."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", copy=True)
+        return obj.detach().to(device, copy=True)
     if isinstance(obj, dict):
-        return {k: _cpu_copy(v) for k, v in obj.items()}
+        return {k: copied(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_cpu_copy(v) for v in obj)
+        return type(obj)(copied(v, device) for v in obj)
     return copy.copy(obj)
 
 
@@ -65,13 +66,13 @@ def capture(worker: StageWorker, step: int, sampler: BatchSampler | None = None)
         "stage": worker.index,
         "step": step,
         "version": worker.version,
-        "model": _cpu_copy(worker.stage.state_dict()),
-        "mapl": {side: _cpu_copy(b.state_dict()) for side, b in worker.mapl.items()},
-        "optimizers": [_cpu_copy(opt.state_dict()) for opt in worker.optimizer.optimizers],
+        "model": copied(worker.stage.state_dict()),
+        "mapl": {side: copied(b.state_dict()) for side, b in worker.mapl.items()},
+        "optimizers": [copied(opt.state_dict()) for opt in worker.optimizer.optimizers],
         "statistic": None
         if stat is None
         else {
-            "gram_times_basis": _cpu_copy(stat.gram_times_basis),
+            "gram_times_basis": copied(stat.gram_times_basis),
             "off_energy": stat.off_energy,
             "total_energy": stat.total_energy,
             "count": stat.count,

@@ -211,6 +211,7 @@ def up(
     status_socket = Path(tempfile.gettempdir()) / f"swarm-status-{token[:16]}.sock"
     security, flags = _transport_security(run, tls, coordinator_host, node_host is not None)
     launch = _Launch(run, ProcessGroup(), {"SWARM_TOKEN": token}, flags, use_dht, metrics_base_port)
+    restore_sigterm = _sigterm_exits()
     try:
         address = _start_coordinator(
             launch, config, coordinator_prefix or [], coordinator_host, dead_after, relay
@@ -247,6 +248,7 @@ def up(
         summary = _result(config, swarm, poller, chaos, time.monotonic() - start)
     finally:
         launch.group.stop()  # the coordinator finishes writing the model before it exits
+        restore_sigterm()
         if coordinator_prefix:
             status_socket.unlink(missing_ok=True)
     from swarm.coordinator.export import default_model_dir  # not at import: the relay process has no torch
@@ -259,6 +261,19 @@ def up(
 def status_command(address: str, flags: list[str]) -> str:
     """The ``swarm status`` command line that watches the coordinator at ``address``."""
     return shlex.join(["swarm", "status", "--coordinator", address, *flags, "--watch", "2"])
+
+
+def _sigterm_exits() -> Callable[[], None]:
+    """Make SIGTERM end this process as Ctrl-C does, through ``up``'s cleanup (every process it
+    started is stopped), instead of at once with them left running; returns what undoes it."""
+    if threading.current_thread() is not threading.main_thread():
+        return lambda: None  # only the main thread may set handlers; its own stay in force
+
+    def exit_cleanly(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, exit_cleanly)
+    return lambda: signal.signal(signal.SIGTERM, previous)
 
 
 def _python_m(module: str) -> list[str]:
