@@ -256,6 +256,7 @@ def _churn_table(rows: list[dict]) -> list[str]:
         _table(
             rows,
             [
+                ("replicas", "replicas", ""),
                 ("churn", "churn", ""),
                 ("tokens/s", "tokens_per_s", ".0f"),
                 ("retained", "retained", ".0%"),
@@ -278,8 +279,10 @@ def _churn_section(r: dict) -> list[str]:
         "## Churn: a random stage host killed (kill -9) every few seconds",
         f"{plan['n_stages']} stages + {plan['standbys']} standby (a fresh node joins for each one "
         f"killed), snapshot cut every {plan['checkpoint_interval']} steps, death timeout "
-        f"{plan['dead_after_s']:.0f} s, {plan['link_latency_ms']:.0f} ms one-way delay. Tokens/s over "
-        "the whole run (wall clock, so recoveries count); recovery: kill to the first redone step "
+        f"{plan['dead_after_s']:.0f} s, {plan['link_latency_ms']:.0f} ms one-way delay; with replicas, "
+        "every stage has that many hosts averaging every step (the extra standbys that become them "
+        "join first). Tokens/s over the whole run (wall clock, so recoveries count), retained against "
+        "the undisturbed run with as many replicas; recovery: kill to the first redone step "
         "completing again.",
         "",
         *_churn_table(r["churn"]),

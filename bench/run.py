@@ -165,6 +165,7 @@ def plan(quick: bool) -> BenchPlan:
             n_stages=4,
             kill_every_s=20,
             checkpoint_interval=10,
+            replicas=(1, 2),
         ),
         multihost=multihost.MultiHostPlan(
             small, TrainConfig(steps=20, batch_size=8, seq_len=128, microbatches=2), mbps=100

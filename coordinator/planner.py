@@ -105,9 +105,9 @@ class Planner:
         self.roster.show_alive()
 
     def _without(self, before: Owners, lost: str) -> Owners | None:
-        """``before`` without ``lost`` when it was a replica wherever it hosted and the run has steps
-        its other hosts can resume after (None otherwise)."""
-        if self.config.train.replicas <= 1 or self.progress.completed < 0:
+        """``before`` without ``lost`` when it was a replica wherever it hosted and the current epoch
+        completed steps its other hosts can resume after (None otherwise)."""
+        if self.config.train.replicas <= 1 or self.progress.timeline < 0:
             return None
         if not any(lost in hosts for hosts in before):
             return None
@@ -178,9 +178,10 @@ class Planner:
         or (``own_states``) right after the last completed step."""
         self._deal()
         self._relayed = self.relayed_links()
-        after = self.progress.completed if own_states else None
+        after = self.progress.timeline if own_states else None
         progressed = self.progress.completed >= 0
         self.ledger.start_epoch(reason, progressed, after_own_step=after, planned=self._growing)
+        self.progress.epoch_started(self.ledger.resume_step)
         if self._growth_pending:  # the cut asked for may have been lost with the epoch it was marked in
             self.ledger.cut_requests += 1
 

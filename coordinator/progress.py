@@ -37,13 +37,26 @@ class Progress:
         self.config, self.state, self.metrics = config, state, metrics
         self.roster, self.ledger, self.rotation = roster, ledger, rotation
         self.completed = state.completed_step(config.n_stages)  # the last step every stage reported
+        # The last step every stage completed since the current epoch resumed: its own history (a
+        # rollback leaves reports of steps it redoes in the state, from the history it abandoned).
+        self.timeline = min(self.completed, ledger.resume_step - 1)
+        self._reported: dict[int, set[int]] = {}  # step -> the stages that reported it this epoch
 
     @property
     def run_complete(self) -> bool:
         return self.completed >= self.config.train.steps - 1
 
+    def epoch_started(self, resume_step: int) -> None:
+        """A plan epoch resumes at ``resume_step``: the steps from it on are to be done (again)."""
+        self.timeline, self._reported = resume_step - 1, {}
+
     def record(self, request: coordinator_pb2.StepReport) -> None:
         """Record a stage's step report (from a node hosting that stage); update the gauges."""
+        if request.step > self.timeline:
+            self._reported.setdefault(request.step, set()).add(request.stage)
+            while len(self._reported.get(self.timeline + 1, ())) == self.config.n_stages:
+                self.timeline += 1
+                del self._reported[self.timeline]
         loss = request.loss if request.HasField("loss") else None
         self.state.record_step(
             request.step,

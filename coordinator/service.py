@@ -309,6 +309,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.planner.evict(peer)
             return
         if peer is None or not self.planner.neighbours(request.node_id, peer.id):
+            # No neighbour to blame. With replicas that is often an averaging round that lost a
+            # member nobody could name: look for a host that died (its siblings then go on).
+            cleared = {request.node_id} | ({peer.id} if peer is not None else set())
+            if self.config.train.replicas > 1 and await self._evict_silent_hosts(cleared, request.plan_epoch):
+                return
             self.planner.new_epoch(f"node {request.node_id[:8]}: {request.reason}")
             return
         # The accused answers: its own failure may come from a host that died elsewhere in the

@@ -269,6 +269,13 @@ class StageHost:
                     return False
             mark = 0 in self.runners and take_cut_request()
             results = await asyncio.gather(*(r.run_step(step, mark) for r in self.runners.values()))
+            states = None
+            if self.own is not None:
+                # Kept before the step is reported, with no await in between: an epoch that resumes
+                # after this step (its completion known from these reports) finds it here.
+                states = self._capture(step)
+                for state in states:
+                    self.own.put(state)
             for outcome in results:
                 self._report(epoch, outcome)
             seconds = max(o.seconds for o in results)
@@ -277,16 +284,12 @@ class StageHost:
             tokens = results[0].own_tokens
             capacity = tokens / busy if busy > 0 else 0.0
             self.client.progress(step, tokens / seconds if seconds > 0 else 0.0, version, capacity)
-            cut = any(o.cut for o in results) or self.config.checkpoint.is_cut(step, steps)
-            if cut or self.own is not None:
-                states = await asyncio.to_thread(self._capture, step)
-                if self.own is not None:
-                    for state in states:
-                        self.own.put(state)
+            if any(o.cut for o in results) or self.config.checkpoint.is_cut(step, steps):
+                if states is None:
+                    states = await asyncio.to_thread(self._capture, step)
                 led = [state for state in states if state["stage"] in self.leads]
-                if cut and led:
+                if led:
                     self.checkpointer.submit(epoch, led)
-            if cut:
                 self.last_cut = step
                 if leaving.is_set():
                     return False

@@ -499,3 +499,60 @@ def test_a_relayed_link_that_fails_twice_moves_to_another_relay(tmp_path: Path):
 
     first, then, relays = asyncio.run(asyncio.wait_for(scenario(), 30))
     assert first in relays and then in relays and then != first
+
+
+def test_a_lost_replica_resumes_the_others_after_the_last_step_of_the_current_history(tmp_path: Path):
+    """A 2-stage run with a replica of stage 1 completes steps 0-5, rolls back (an epoch from step
+    0: no cut yet) and completes steps 0-2 again. When the replica is then lost, its siblings go on
+    after step 2 of the history they are in, not after step 5 of the one they abandoned, from
+    their own states (no snapshot named, no restart counted); a loss that leaves a stage without
+    a host rolls back as before."""
+
+    async def scenario() -> list[tuple[int, int, int]]:
+        async with contextlib.AsyncExitStack() as stack:
+            config = tiny_config(n_stages=2, replicas=2)
+            service = CoordinatorService(
+                config, TOKEN, tmp_path / "state.sqlite", None, Metrics("coordinator"), [], None
+            )
+            await stack.enter_async_context(CoordinatorServer(service))
+            ids = {}
+            for name in ("a", "b", "r"):
+                reply = await service.Join(
+                    join_request(name, await stack.enter_async_context(StageServer())), None
+                )
+                ids[name] = reply.node_id
+            service.roster.host([(ids["a"],), (ids["b"], ids["r"])])
+            service.planner.new_epoch("r replicates stage 1")
+
+            def steps(*numbers: int) -> None:
+                for step in numbers:
+                    for stage in (0, 1):
+                        service.progress.record(
+                            cpb.StepReport(
+                                plan_epoch=service.ledger.plan_epoch, stage=stage, step=step, tokens=1
+                            )
+                        )
+
+            def seen() -> tuple[int, int, int]:
+                return (
+                    service.ledger.resume_step,
+                    service.ledger.restarts,
+                    len(service.ledger.restore([0, 1])),
+                )
+
+            history = []
+            steps(*range(6))
+            service.planner.new_epoch("a broken link")  # rolls back to step 0
+            history.append(seen())
+            steps(0, 1, 2)
+            service.planner.evict(service.roster.nodes[ids["r"]])
+            history.append(seen())
+            steps(3)
+            service.planner.evict(service.roster.nodes[ids["b"]])  # stage 1's last host
+            history.append(seen())
+            return history
+
+    after_rollback, after_replica, after_last_host = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert after_rollback == (0, 1, 0)
+    assert after_replica == (3, 1, 0)  # after step 2, from the hosts' own states, no restart counted
+    assert after_last_host == (0, 2, 0)  # no cut: back to step 0, a restart
