@@ -44,6 +44,7 @@ class Ledger:
         self.checkpoints = {(r.step, r.stage): r for r in state.checkpoints()}
         self.dealt: list[dict[int, str]] = []  # per stage: microbatch -> the replica processing it
         self.cut_requests = 0  # final cuts asked for by leaving nodes
+        self.from_own_states = False  # whether this epoch resumed from its hosts' own states
         self._cut_shown = -1  # the complete cut the checkpoint metrics describe
 
     def deal(self, owners: Owners, rates: Sequence[Sequence[float]]) -> None:
@@ -71,6 +72,7 @@ class Ledger:
         self._forget([r for r in self.checkpoints.values() if r.step > cut])
         restarted = (progressed or self.resume_step > 0) and after_own_step is None and not planned
         self.plan_epoch, self.resume_step = self.plan_epoch + 1, cut + 1
+        self.from_own_states = after_own_step is not None
         self.restarts += int(restarted)
         self.state.set_epoch(self.plan_epoch, self.resume_step, self.restarts)
         self.metrics.plan_epoch.set(self.plan_epoch)

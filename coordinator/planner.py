@@ -175,9 +175,13 @@ class Planner:
 
     def new_epoch(self, reason: str, own_states: bool = False) -> None:
         """Start a plan epoch with the current owners (microbatches dealt anew), from the latest cut
-        or (``own_states``) right after the last completed step."""
+        or (``own_states``, in runs with replicas) right after the last completed step, each host
+        from the state it kept of it; from the cut after all when the epoch this one replaces did
+        so and completed no step (a host may have lacked the state)."""
         self._deal()
         self._relayed = self.relayed_links()
+        stuck = self.ledger.from_own_states and self.progress.timeline == self.ledger.resume_step - 1
+        own_states = own_states and self.config.train.replicas > 1 and not stuck
         after = self.progress.timeline if own_states else None
         progressed = self.progress.completed >= 0
         self.ledger.start_epoch(reason, progressed, after_own_step=after, planned=self._growing)

@@ -314,7 +314,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             cleared = {request.node_id} | ({peer.id} if peer is not None else set())
             if self.config.train.replicas > 1 and await self._evict_silent_hosts(cleared, request.plan_epoch):
                 return
-            self.planner.new_epoch(f"node {request.node_id[:8]}: {request.reason}")
+            self.planner.new_epoch(f"node {request.node_id[:8]}: {request.reason}", own_states=True)
             return
         # The accused answers: its own failure may come from a host that died elsewhere in the
         # pipeline (a step fails at every stage), whose own report would arrive too late, as a report
@@ -324,7 +324,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return
         if self.planner.link_failed(request.node_id, peer.id, request.plan_epoch):
             return  # the pair failed in two consecutive epochs: placed around it (a new epoch)
-        self.planner.new_epoch(f"node {request.node_id[:8]}: {request.reason}")
+        self.planner.new_epoch(f"node {request.node_id[:8]}: {request.reason}", own_states=True)
 
     async def _evict_silent_hosts(self, cleared: set[str], epoch: int) -> bool:
         """Ping every other reachable stage host of ``epoch`` (concurrently) and evict those that are

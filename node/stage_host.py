@@ -179,6 +179,9 @@ class StageHost:
             say(f"stage {s}: resumed from this node's own state after step {resume - 1}")
         self.client.set_phase(cpb.NODE_PHASE_LOADING)
         await asyncio.to_thread(self._build, snapshots, own)
+        if self.own is not None:  # what came from a snapshot is this node's own state now
+            for state in self._capture(resume - 1, list(snapshots)):
+                self.own.put(state)
         for s, runner in self.runners.items():
             nxt = self.runners.get(s + 1)
             if nxt is not None:
@@ -203,6 +206,10 @@ class StageHost:
                 step = checkpoint.restore(worker, state, sampler)
                 if step != self.plan.resume_step - 1:
                     raise RuntimeError(f"snapshot of stage {s} is of step {step}, the plan resumes after it")
+                if s not in own and s not in self.leads and worker.statistic is not None:
+                    # Replicas sum what each accumulated toward the next rotation: the lead's snapshot
+                    # holds its share, which the lead itself brings; this replica starts from none.
+                    worker.statistic.reset()
             rotation_ready = self._rotation_ready(worker) if self.rotating else None
             batches = self._batches(sampler) if sampler is not None else None
             replicas = self.plan.replicas[s]
@@ -298,12 +305,13 @@ class StageHost:
                 say(runner.averaging.summary())
         return True
 
-    def _capture(self, step: int) -> list[dict]:
-        """The state of every hosted stage after ``step`` (replicas hold identical state: only the
-        lead's is stored at a cut; each keeps its own in :class:`OwnStates`)."""
+    def _capture(self, step: int, stages: list[int] | None = None) -> list[dict]:
+        """The state of every hosted stage (or of ``stages``) after ``step`` (replicas hold identical
+        state: only the lead's is stored at a cut; each keeps its own in :class:`OwnStates`)."""
         return [
             checkpoint.capture(r.worker, step, self.sampler if r.worker.is_first else None)
-            for r in self.runners.values()
+            for s, r in self.runners.items()
+            if stages is None or s in stages
         ]
 
     def _statistic_due(self, step: int) -> bool:

@@ -556,3 +556,47 @@ def test_a_lost_replica_resumes_the_others_after_the_last_step_of_the_current_hi
     assert after_rollback == (0, 1, 0)
     assert after_replica == (3, 1, 0)  # after step 2, from the hosts' own states, no restart counted
     assert after_last_host == (0, 2, 0)  # no cut: back to step 0, a restart
+
+
+def test_with_replicas_a_failure_between_live_nodes_goes_on_from_own_states_once(tmp_path: Path):
+    """In a run with replicas every node keeps its stages' last steps, so a broken link between two
+    live nodes (nobody died) restarts after the last completed step from those states, not from
+    the cut, and counts no restart; a second failure before that epoch completed a step (a host
+    may lack the state) falls back to the latest cut."""
+
+    async def scenario() -> list[tuple[int, int, bool]]:
+        async with contextlib.AsyncExitStack() as stack:
+            service = CoordinatorService(
+                tiny_config(n_stages=2, replicas=2),
+                TOKEN,
+                tmp_path / "state.sqlite",
+                None,
+                Metrics("coordinator"),
+                [],
+                None,
+            )
+            server = await stack.enter_async_context(CoordinatorServer(service))
+            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
+            stack.push_async_callback(channel.close)
+            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            joined = {}
+            for name in "ab":
+                joined[name] = await stub.Join(
+                    join_request(name, await stack.enter_async_context(StageServer())), timeout=10
+                )
+            for step in range(4):
+                for stage in (0, 1):
+                    service.progress.record(
+                        cpb.StepReport(plan_epoch=service.ledger.plan_epoch, stage=stage, step=step)
+                    )
+            history = []
+            for _ in range(2):
+                await report_failure(stub, service, joined["b"], joined["a"].node_id)
+                history.append(
+                    (service.ledger.resume_step, service.ledger.restarts, service.ledger.from_own_states)
+                )
+            return history
+
+    first, second = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert first == (4, 0, True)
+    assert second == (0, 1, False)  # no cut yet: from the start
