@@ -255,11 +255,16 @@ def test_a_dial_only_join_that_fits_nowhere_is_shown_as_a_plan_problem(tmp_path:
 
 
 async def serving_coordinator(
-    stack: contextlib.AsyncExitStack, folder: Path, n_stages: int, settings: CoordinatorSettings | None = None
+    stack: contextlib.AsyncExitStack,
+    folder: Path,
+    n_stages: int,
+    settings: CoordinatorSettings | None = None,
+    **train: int,
 ) -> tuple[CoordinatorService, coordinator_pb2_grpc.CoordinatorStub]:
-    """A coordinator of a tiny run serving on loopback until ``stack`` closes, and a stub to it."""
+    """A coordinator of a tiny run (``train``: its settings that differ) serving on loopback until
+    ``stack`` closes, and a stub to it."""
     service = CoordinatorService(
-        tiny_config(n_stages=n_stages),
+        tiny_config(n_stages=n_stages, **train),
         TOKEN,
         folder / "state.sqlite",
         None,
@@ -510,11 +515,7 @@ def test_a_lost_replica_resumes_the_others_after_the_last_step_of_the_current_hi
 
     async def scenario() -> list[tuple[int, int, int]]:
         async with contextlib.AsyncExitStack() as stack:
-            config = tiny_config(n_stages=2, replicas=2)
-            service = CoordinatorService(
-                config, TOKEN, tmp_path / "state.sqlite", None, Metrics("coordinator"), [], None
-            )
-            await stack.enter_async_context(CoordinatorServer(service))
+            service, _ = await serving_coordinator(stack, tmp_path, 2, replicas=2)
             ids = {}
             for name in ("a", "b", "r"):
                 reply = await service.Join(
@@ -566,19 +567,7 @@ def test_with_replicas_a_failure_between_live_nodes_goes_on_from_own_states_once
 
     async def scenario() -> list[tuple[int, int, bool]]:
         async with contextlib.AsyncExitStack() as stack:
-            service = CoordinatorService(
-                tiny_config(n_stages=2, replicas=2),
-                TOKEN,
-                tmp_path / "state.sqlite",
-                None,
-                Metrics("coordinator"),
-                [],
-                None,
-            )
-            server = await stack.enter_async_context(CoordinatorServer(service))
-            channel = grpc.aio.insecure_channel(f"127.0.0.1:{server.port}")
-            stack.push_async_callback(channel.close)
-            stub = coordinator_pb2_grpc.CoordinatorStub(channel)
+            service, stub = await serving_coordinator(stack, tmp_path, 2, replicas=2)
             joined = {}
             for name in "ab":
                 joined[name] = await stub.Join(
