@@ -54,7 +54,9 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     one, two = results["replicas"]  # the slow stage alone, then with a second replica averaging
     assert (one["replicas"], two["replicas"]) == (1, 2) and one["tokens_per_s"] > 0 < two["tokens_per_s"]
     assert one["averaging_bytes_per_replica_step"] == 0 < two["averaging_bytes_per_replica_step"]
-    assert one["boundary_bytes_per_step"] == two["boundary_bytes_per_step"]  # routing adds no bytes
+    # Routing microbatches to two replicas adds no payload; frame headers carry varints (plan epoch,
+    # step) whose length differs between the runs by a byte here and there.
+    assert two["boundary_bytes_per_step"] == pytest.approx(one["boundary_bytes_per_step"], rel=1e-3)
     assert "## Replicas of the slowest stage" in report
     sync = {row["mode"]: row for row in results["replica_sync"]["rows"]}
     step, outer = sync["per-step fp64"], sync["outer H=5 int8"]
