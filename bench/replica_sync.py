@@ -4,7 +4,9 @@ Two replicas of a one-stage model (the whole model, so each step has a loss) tra
 batches in process, each on its half of every step's microbatches, through
 :class:`~swarm.node.replica_averaging.ReplicaGroup` on real P2P daemons on loopback (NAT port
 mapping off): once averaging float64 gradients every step (``replica_sync.mode = "step"``), then
-with outer steps every ``H`` steps in each pseudo-gradient format. Reported per mode: bytes each
+with outer steps every ``H`` steps in each pseudo-gradient format, and in int8 with the sync's
+all-reduce overlapping the next inner step (its outer step lands one step late; the loss shows
+what that delay costs, the bytes are the same). Reported per mode: bytes each
 replica sent per trainable parameter, per sync and per step (the per-step rounds' counts
 included), what that takes per step at ``link_mbps``, and the loss at equal tokens (the mean
 training loss of the last steps).
@@ -61,6 +63,7 @@ class ReplicaSyncPlan:
     train: TrainConfig  # microbatches: a multiple of 2 (the replicas' halves)
     every: tuple[int, ...] = (10, 50)
     formats: tuple[str, ...] = ("fp32", "bf16", "int8")
+    overlap: int = 1  # one more int8 row per H, its all-reduce behind this many inner steps
     link_mbps: float = 100.0
     tail: int = 10  # the loss at equal tokens: the mean over this many last steps
 
@@ -141,7 +144,8 @@ def _row(p: ReplicaSyncPlan, sync: ReplicaSyncConfig, batches: list[torch.Tensor
     per_step = (g.bytes_sent + g.sync_bytes) / p.train.steps
     outer = sync.mode == "outer"
     return {
-        "mode": f"outer H={sync.every} {sync.format}" if outer else "per-step fp64",
+        "mode": _mode(sync),
+        "overlap": sync.overlap,
         "every": sync.every if outer else 1,
         "format": sync.format if outer else "fp64",
         "parameters": parameters,
@@ -154,14 +158,22 @@ def _row(p: ReplicaSyncPlan, sync: ReplicaSyncConfig, batches: list[torch.Tensor
     }
 
 
+def _mode(sync: ReplicaSyncConfig) -> str:
+    if sync.mode != "outer":
+        return "per-step fp64"
+    return f"outer H={sync.every} {sync.format}" + (f" overlap {sync.overlap}" if sync.overlap else "")
+
+
 def run(p: ReplicaSyncPlan) -> dict:
     """One row per mode, per-step averaging first; the same batches for every mode."""
     config = RunConfig(model=p.model, train=p.train, data=DataConfig(tokenizer="byte"), n_stages=1)
     sampler = BatchSampler(load_dataset(config).train, p.train.batch_size, p.train.seq_len, p.train.seed)
     batches = [batch_ids(*sampler.next_batch()) for _ in range(p.train.steps)]
-    modes = [ReplicaSyncConfig()] + [
-        ReplicaSyncConfig(mode="outer", every=h, format=f) for h in p.every for f in p.formats
-    ]
+    modes = [ReplicaSyncConfig()]
+    for h in p.every:
+        modes += [ReplicaSyncConfig(mode="outer", every=h, format=f) for f in p.formats]
+        if p.overlap:
+            modes.append(ReplicaSyncConfig(mode="outer", every=h, format="int8", overlap=p.overlap))
     rows = [_row(p, sync, batches) for sync in modes]
     base = rows[0]
     for row in rows:

@@ -10,7 +10,8 @@ is reported, the statistic each replica accumulated on its own microbatches is s
 With ``replica_sync.mode = "outer"`` only the counts (and statistic) are summed every step;
 each replica steps on its own gradient (scaled to the mean over its own microbatches), and
 every ``replica_sync.every`` steps, at checkpoint cuts and at the end, the replicas average
-their pseudo-gradients and take the outer step (:mod:`swarm.runtime.outer_step`).
+their pseudo-gradients and take the outer step (:mod:`swarm.runtime.outer_step`); with
+``replica_sync.overlap`` the round runs behind the next inner steps (:meth:`ReplicaGroup.after_step`).
 
 A round that loses a member fails the step with :class:`ReplicaLost` naming it (or, for a
 refused part, :class:`ReplicaPoisoned`, which gets the sender evicted); the coordinator then
@@ -19,6 +20,7 @@ starts a new epoch without it from the latest cut, as for any lost neighbour.
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -83,6 +85,8 @@ class ReplicaGroup:
         self.rounds = self.bytes_sent = 0
         self.seconds = 0.0
         self.syncs = self.sync_bytes = 0
+        # an overlapped sync in flight: (its round, the step it lands after, the tensors it averages)
+        self._pending: tuple[asyncio.Future, int, list[torch.Tensor]] | None = None
 
     async def connect(self) -> None:
         """Open the P2P connections to the other replicas (their addresses are in the plan)."""
@@ -150,21 +154,39 @@ class ReplicaGroup:
         return StepCounts(round(v[0]), v[1], round(v[2]), round(v[3]), round(v[4]), v[5] > 0.5)
 
     async def after_step(self, step: int, worker: StageWorker, cut: bool) -> None:
-        """After the optimizer step of an outer-step run: on a sync step (``cut``: the step is a
-        checkpoint cut), average the pseudo-gradients and take the outer step."""
-        config = worker.config
-        cut = cut or config.checkpoint.is_cut(step, config.train.steps)
-        outer = worker.outer
-        if outer is None or not sync_due(config.replica_sync, step, config.train.steps, cut):
+        """After the optimizer step of an outer-step run: apply an overlapped sync whose inner steps
+        are done, and on a sync step (``cut``: the step is a checkpoint cut) average the
+        pseudo-gradients and take the outer step, at once or (``replica_sync.overlap``) that many
+        steps later; cuts and the last step wait for theirs."""
+        config, outer = worker.config, worker.outer
+        if outer is None:
             return
-        sent = outer.pseudo_gradient()
+        sync, last = config.replica_sync, step == config.train.steps - 1
+        cut = cut or config.checkpoint.is_cut(step, config.train.steps)
+        due = sync_due(sync, step, config.train.steps, cut)
+        if self._pending is not None and (step >= self._pending[1] or due):
+            await self._land(outer)
+        if not due:
+            return
+        overlapped = sync.overlap > 0 and not cut and not last
+        sent = outer.pseudo_gradient(overlapped)
         round_ = Round(
             f"{self.key}/{step}/outer",
             tuple(s.peer_id for s in self.siblings),
             shares(sum(t.numel() for t in sent), [1.0] * len(self.siblings)),
             tuple(float(s.microbatches) for s in self.siblings),
         )
-        stats, seconds = await self._average(round_, sent, outer.format)
+        task = asyncio.ensure_future(self._average(round_, sent, outer.format))
+        task.add_done_callback(lambda t: t.cancelled() or t.exception())  # an abandoned one: no warning
+        self._pending = (task, step + sync.overlap, sent)
+        if not overlapped:
+            await self._land(outer)
+
+    async def _land(self, outer: OuterStep) -> None:
+        """Wait for the pending sync's all-reduce (its failure fails this step) and take its outer step."""
+        task, _, sent = self._pending
+        self._pending = None
+        stats, seconds = await task
         outer.apply(sent)
         self.syncs, self.sync_bytes = self.syncs + 1, self.sync_bytes + stats.bytes_sent
         self.seconds += seconds

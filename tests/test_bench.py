@@ -59,10 +59,12 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     assert two["boundary_bytes_per_step"] == pytest.approx(one["boundary_bytes_per_step"], rel=1e-3)
     assert "## Replicas of the slowest stage" in report
     sync = {row["mode"]: row for row in results["replica_sync"]["rows"]}
-    step, outer = sync["per-step fp64"], sync["outer H=5 int8"]
+    step, outer, overlapped = sync["per-step fp64"], sync["outer H=5 int8"], sync["outer H=5 int8 overlap 1"]
     assert step["bytes_per_parameter_per_step"] == pytest.approx(8.0, rel=1e-3)  # fp64: half out, half back
     assert outer["bytes_per_parameter_per_sync"] == pytest.approx(1.0, rel=0.02)  # int8 + an exponent per 256
     assert outer["bytes_vs_per_step"] > 35 and outer["loss_vs_per_step"] < 1.2
+    assert overlapped["bytes_per_parameter_per_sync"] == pytest.approx(outer["bytes_per_parameter_per_sync"])
+    assert overlapped["loss_vs_per_step"] < 1.2
     assert "## Keeping replicas identical" in report
     quality = results["quality"]
     dense, *others = quality["rows"]

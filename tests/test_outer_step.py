@@ -197,12 +197,77 @@ def test_replicas_hold_identical_weights_after_every_sync(fmt: str):
     assert all(torch.isfinite(w).all() for w in weights(replicas[0]))
 
 
+def test_an_overlapped_sync_lands_a_step_later_and_keeps_that_steps_progress():
+    """Overlap 1, a sync every 2 steps, outer lr 1, momentum 0, plain SGD, fp64, replicas dealt 3
+    and 1 microbatches: the sync sent after step t lands after step t+1 on each replica as the
+    weighted average of the weights the replicas sent plus the replica's own progress since
+    (1e-12); nothing lands on the send's step; the last step's sync waits, and the replicas end
+    bitwise equal."""
+    config = outer_config(dataclasses.replace(EXACT, every=2, overlap=1))
+    config = dataclasses.replace(config, train=dataclasses.replace(config.train, steps=6))
+    inner: list[list[list[torch.Tensor]]] = []  # per step, per replica: the weights after its inner step
+    landed = []
+
+    def after_inner(step: int, workers: list[StageWorker]) -> None:
+        inner.append([weights(w) for w in workers])
+
+    def after_sync(step: int, workers: list[StageWorker]) -> None:
+        now = [weights(w) for w in workers]
+        if step in (2, 4):  # the syncs sent after steps 1 and 3
+            sent = inner[step - 1]
+            average = [(3 * a + b) / 4 for a, b in zip(*sent, strict=True)]
+            for i, mine in enumerate(now):
+                expected = [g + w - s for g, w, s in zip(average, inner[step][i], sent[i], strict=True)]
+                assert relative(mine, expected) < 1e-12, (step, i)
+            assert not all(torch.equal(a, b) for a, b in zip(*now, strict=True))  # apart by own steps
+            landed.append(step)
+        elif step < 5:  # nothing landed: each replica holds its inner step's weights
+            for mine, reached in zip(now, inner[step], strict=True):
+                assert all(map(torch.equal, mine, reached))
+        else:
+            assert all(torch.equal(a, b) for a, b in zip(*now, strict=True))
+
+    replicas_trained(config, [[0, 1, 2], [3]], 6, sgd=0.5, after_inner=after_inner, after_sync=after_sync)
+    assert landed == [2, 4]
+
+
+def test_a_state_taken_while_a_sync_is_in_flight_resumes_as_if_nothing_was_sent():
+    """Own states are captured after every step, also between an overlapped send and its landing:
+    such a state holds the weights at the last sync and the error-feedback residual from before the
+    send, so a replica resumed from it sends exactly what the original sent (bit for bit)."""
+    config = outer_config(ReplicaSyncConfig(mode="outer", every=1, format="int8", outer_momentum=0.9))
+    worker = make_worker(config, None)
+    for step in range(3):
+        compute_step(worker, step, [0, 1, 2, 3])
+        worker.optimizer_step(step)
+        worker.outer = worker.outer or OuterStep(worker.parameters(), config.replica_sync)
+        if step < 2:
+            worker.outer.apply(worker.outer.pseudo_gradient())
+    before = checkpoint.capture(worker, 2)
+    assert before["outer"]["anchor"] is not None  # the weights moved since the last sync
+    sent = worker.outer.pseudo_gradient(overlapped=True)
+    assert worker.outer.pending
+    during = checkpoint.from_bytes(checkpoint.to_bytes(checkpoint.capture(worker, 2)))
+    for key in ("momentum", "residual", "anchor"):
+        assert all(torch.equal(a, b) for a, b in zip(before["outer"][key], during["outer"][key], strict=True))
+    resumed = make_worker(config, None)
+    checkpoint.restore(resumed, during)
+    assert all(torch.equal(a, b) for a, b in zip(resumed.outer.pseudo_gradient(), sent, strict=True))
+
+
 def test_outer_mode_refuses_rotations_and_unknown_settings():
     with pytest.raises(ValueError, match=r"cannot be combined with rotation\.interval"):
         dataclasses.replace(
             tiny_config(), replica_sync=ReplicaSyncConfig(mode="outer"), rotation=RotationConfig(interval=5)
         )
-    for bad in ({"format": "int4"}, {"mode": "sometimes"}, {"every": 0}, {"outer_momentum": 1.0}):
+    for bad in (
+        {"format": "int4"},
+        {"mode": "sometimes"},
+        {"every": 0},
+        {"outer_momentum": 1.0},
+        {"every": 2, "overlap": 2},
+        {"overlap": -1},
+    ):
         with pytest.raises(ValueError, match="replica_sync"):
             ReplicaSyncConfig(**bad)
     toml = RunConfig(replica_sync=ReplicaSyncConfig(mode="outer", every=50, format="bf16")).to_dict()

@@ -137,15 +137,17 @@ OUTER_SYNC = re.compile(r"stage (\d+) averaging: .*; (\d+) outer syncs, (\d+) by
 # averaging on this 20-step run, by how much depends on how the coordinator deals the microbatches
 # between the replicas by their measured speed: 3+1 or 2+2).
 @pytest.mark.slow
-def test_replicas_taking_outer_steps_train_and_sync_in_int8(tmp_path):
+@pytest.mark.parametrize("overlap", [0, 1])
+def test_replicas_taking_outer_steps_train_and_sync_in_int8(tmp_path, overlap: int):
     """The live swarm of the test above with ``replica_sync.mode = "outer"`` (no rotations: refused
     with outer steps): the two replicas of a stage step on their own microbatches and sync every 4
     steps and at each cut; the run completes every step with finite losses, each step counting
     each token once, and a sync sends about 1 byte per trainable parameter per replica (int8: its
-    half of the pseudo-gradient out, the averaged other half back)."""
+    half of the pseudo-gradient out, the averaged other half back); so too with each sync's
+    all-reduce overlapping the next step (``overlap = 1``)."""
     config = replica_run(tmp_path, "gpipe")
     config.rotation = RotationConfig()
-    config.replica_sync = ReplicaSyncConfig(mode="outer", every=4, format="int8")
+    config.replica_sync = ReplicaSyncConfig(mode="outer", every=4, format="int8", overlap=overlap)
     config = RunConfig.from_dict(config.to_dict())
     final, nodes = run_three_nodes(tmp_path, config)
     syncs = [m for p in nodes for m in OUTER_SYNC.finditer(p.stdout())]

@@ -249,7 +249,9 @@ class ReplicaSyncConfig:
     sent as ``format`` (``fp64``, ``fp32``, ``bf16``, or ``int8`` with one power-of-two scale per
     256 values; the rounding error is fed back into the next sync), and every replica takes the
     same Nesterov step of ``outer_lr`` and ``outer_momentum`` from the weights at the last sync.
-    Checkpoint cuts and the run's last step always sync.
+    Checkpoint cuts and the run's last step always sync. ``overlap`` (outer, ``< every``): a sync's
+    all-reduce runs behind that many inner steps and its outer step lands after them, keeping
+    their progress (Streaming DiLoCo's overlap; 0 waits for it; cuts and the last step always wait).
     """
 
     mode: str = "step"
@@ -257,6 +259,7 @@ class ReplicaSyncConfig:
     format: str = "int8"
     outer_lr: float = 0.7
     outer_momentum: float = 0.9
+    overlap: int = 0
 
     def __post_init__(self) -> None:
         if self.mode not in SYNC_MODES:
@@ -265,6 +268,8 @@ class ReplicaSyncConfig:
             raise ValueError(f"replica_sync.format={self.format!r} must be one of {SYNC_FORMATS}")
         if self.every < 1 or not self.outer_lr > 0 or not 0 <= self.outer_momentum < 1:
             raise ValueError("replica_sync needs every >= 1, outer_lr > 0 and 0 <= outer_momentum < 1")
+        if not 0 <= self.overlap < self.every:
+            raise ValueError(f"replica_sync.overlap={self.overlap} must lie in [0, every={self.every})")
 
 
 SYNC_MODES = ("step", "outer")
