@@ -182,7 +182,8 @@ class Planner:
         self._relayed = self.relayed_links()
         stuck = self.ledger.from_own_states and self.progress.timeline == self.ledger.resume_step - 1
         own_states = own_states and self.config.train.replicas > 1 and not stuck
-        after = self.progress.timeline if own_states else None
+        hosts = (n for stage_hosts in self.roster.owners() for n in stage_hosts)
+        after = self.progress.resumable(hosts) if own_states else None
         progressed = self.progress.completed >= 0
         self.ledger.start_epoch(reason, progressed, after_own_step=after, planned=self._growing)
         self.progress.epoch_started(self.ledger.resume_step)

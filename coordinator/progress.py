@@ -7,6 +7,7 @@ is complete (and membership changes no longer replan it).
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 
 from swarm.coordinator.ledger import Ledger
 from swarm.coordinator.roster import Roster
@@ -41,6 +42,8 @@ class Progress:
         # rollback leaves reports of steps it redoes in the state, from the history it abandoned).
         self.timeline = min(self.completed, ledger.resume_step - 1)
         self._reported: dict[int, set[int]] = {}  # step -> the stages that reported it this epoch
+        self._base = self.timeline  # where the epoch resumed after
+        self._host_last: dict[str, int] = {}  # node id -> the last step it reported this epoch
 
     @property
     def run_complete(self) -> bool:
@@ -49,9 +52,19 @@ class Progress:
     def epoch_started(self, resume_step: int) -> None:
         """A plan epoch resumes at ``resume_step``: the steps from it on are to be done (again)."""
         self.timeline, self._reported = resume_step - 1, {}
+        self._base, self._host_last = resume_step - 1, {}
+
+    def resumable(self, hosts: Iterable[str]) -> int:
+        """The last step an epoch can resume after with ``hosts`` going on from their own states:
+        one every stage completed (:attr:`timeline`) and each of ``hosts`` reported. A replica whose
+        averaging round failed where its sibling's went through did not complete the step its
+        stage reported, and holds no state of it."""
+        return min([self.timeline] + [self._host_last.get(n, self._base) for n in hosts])
 
     def record(self, request: coordinator_pb2.StepReport) -> None:
         """Record a stage's step report (from a node hosting that stage); update the gauges."""
+        if request.step > self._host_last.get(request.node_id, self._base):
+            self._host_last[request.node_id] = request.step
         if request.step > self.timeline:
             self._reported.setdefault(request.step, set()).add(request.stage)
             while len(self._reported.get(self.timeline + 1, ())) == self.config.n_stages:

@@ -507,11 +507,12 @@ def test_a_relayed_link_that_fails_twice_moves_to_another_relay(tmp_path: Path):
 
 
 def test_a_lost_replica_resumes_the_others_after_the_last_step_of_the_current_history(tmp_path: Path):
-    """A 2-stage run with a replica of stage 1 completes steps 0-5, rolls back (an epoch from step
-    0: no cut yet) and completes steps 0-2 again. When the replica is then lost, its siblings go on
-    after step 2 of the history they are in, not after step 5 of the one they abandoned, from
-    their own states (no snapshot named, no restart counted); a loss that leaves a stage without
-    a host rolls back as before."""
+    """A 2-stage run with replicas b and r of stage 1 completes steps 0-5, rolls back (an epoch from
+    step 0: no cut yet) and completes steps 0-2 again, then step 3 everywhere but on r (its
+    averaging round failed where b's went through). When b is then lost, r goes on after step 2 of
+    the history it is in: not after step 5 of the one abandoned, nor after step 3, which its stage
+    reported but r never completed; from the hosts' own states (no snapshot named, no restart
+    counted). A loss that leaves a stage without a host rolls back as before."""
 
     async def scenario() -> list[tuple[int, int, int]]:
         async with contextlib.AsyncExitStack() as stack:
@@ -525,14 +526,17 @@ def test_a_lost_replica_resumes_the_others_after_the_last_step_of_the_current_hi
             service.roster.host([(ids["a"],), (ids["b"], ids["r"])])
             service.planner.new_epoch("r replicates stage 1")
 
-            def steps(*numbers: int) -> None:
+            def steps(*numbers: int, hosts: tuple[str, ...] = ("a", "b", "r")) -> None:
                 for step in numbers:
-                    for stage in (0, 1):
-                        service.progress.record(
-                            cpb.StepReport(
-                                plan_epoch=service.ledger.plan_epoch, stage=stage, step=step, tokens=1
-                            )
+                    for name in hosts:
+                        report = cpb.StepReport(
+                            plan_epoch=service.ledger.plan_epoch,
+                            node_id=ids[name],
+                            stage=int(name != "a"),
+                            step=step,
+                            tokens=1,
                         )
+                        service.progress.record(report)
 
             def seen() -> tuple[int, int, int]:
                 return (
@@ -546,10 +550,11 @@ def test_a_lost_replica_resumes_the_others_after_the_last_step_of_the_current_hi
             service.planner.new_epoch("a broken link")  # rolls back to step 0
             history.append(seen())
             steps(0, 1, 2)
-            service.planner.evict(service.roster.nodes[ids["r"]])
+            steps(3, hosts=("a", "b"))
+            service.planner.evict(service.roster.nodes[ids["b"]])
             history.append(seen())
-            steps(3)
-            service.planner.evict(service.roster.nodes[ids["b"]])  # stage 1's last host
+            steps(3, hosts=("a", "r"))
+            service.planner.evict(service.roster.nodes[ids["r"]])  # stage 1's last host
             history.append(seen())
             return history
 
@@ -574,10 +579,14 @@ def test_with_replicas_a_failure_between_live_nodes_goes_on_from_own_states_once
                     join_request(name, await stack.enter_async_context(StageServer())), timeout=10
                 )
             for step in range(4):
-                for stage in (0, 1):
-                    service.progress.record(
-                        cpb.StepReport(plan_epoch=service.ledger.plan_epoch, stage=stage, step=step)
+                for stage, name in enumerate("ab"):
+                    report = cpb.StepReport(
+                        plan_epoch=service.ledger.plan_epoch,
+                        node_id=joined[name].node_id,
+                        stage=stage,
+                        step=step,
                     )
+                    service.progress.record(report)
             history = []
             for _ in range(2):
                 await report_failure(stub, service, joined["b"], joined["a"].node_id)
