@@ -35,7 +35,14 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from bench.netns import EmulatedNetwork
-from swarm.core.config import CodecConfig, ModelConfig, RunConfig, TrainConfig
+from swarm.core.config import (
+    CodecConfig,
+    EmulationConfig,
+    ModelConfig,
+    ReplicaSyncConfig,
+    RunConfig,
+    TrainConfig,
+)
 from swarm.launch.local_swarm import RELAYING, ProcessGroup, StatusPoller, tee, wait_for_line
 from swarm.net.tls import NODE_SERVER_NAME, Security
 
@@ -78,16 +85,27 @@ print(health_pb2.HealthCheckResponse.ServingStatus.Name(reply.status))
 @dataclasses.dataclass(frozen=True)
 class MultiHostPlan:
     model: ModelConfig
-    train: TrainConfig
+    train: TrainConfig  # train.replicas > 1: the hosts past the stages join as replicas
     mbps: float = 100.0
     prometheus: bool = False
     codec: CodecConfig = dataclasses.field(default_factory=CodecConfig)  # the run's boundary codec
+    roles: tuple[str, ...] = ROLES  # host i's node; the first n_stages host stage i
+    n_stages: int = len(ROLES)
+    replica_sync: ReplicaSyncConfig = dataclasses.field(default_factory=ReplicaSyncConfig)
+    emulation: EmulationConfig = dataclasses.field(default_factory=EmulationConfig)
 
     @property
     def config(self) -> RunConfig:
         constrained = self.codec.kind == "subspace"
         model = dataclasses.replace(self.model, constrain_writes=constrained)
-        return RunConfig(model=model, codec=self.codec, train=self.train, n_stages=len(ROLES))
+        return RunConfig(
+            model=model,
+            codec=self.codec,
+            train=self.train,
+            n_stages=self.n_stages,
+            replica_sync=self.replica_sync,
+            emulation=self.emulation,
+        )
 
 
 def command(template: str, coordinator_ip: str = "") -> list[str]:
@@ -102,7 +120,8 @@ class MultiHostSwarm:
     def __init__(self, plan: MultiHostPlan, folder: Path):
         self.plan, self.folder = plan, folder
         self.config = plan.config
-        self.net = EmulatedNetwork(len(ROLES), plan.mbps, prefix="swsmh", control=True)
+        self.roles = plan.roles
+        self.net = EmulatedNetwork(len(self.roles), plan.mbps, prefix="swsmh", control=True)
         self.group = ProcessGroup()
         self.token = secrets.token_hex(16)
         self.nodes: list[subprocess.Popen] = []
@@ -142,7 +161,7 @@ class MultiHostSwarm:
         """What the operator gives volunteer ``i``: the CA, and for an inbound node its own pair."""
         certs = self.folder / "certs"
         shutil.copy(certs / "ca.pem", folder / "ca.pem")
-        if ROLES[i] != "dial-only":
+        if self.roles[i] != "dial-only":
             self._recipe(ISSUE, self.folder, name=f"node{i}")
             shutil.copy(certs / f"node{i}.pem", folder / "node.pem")
             shutil.copy(certs / f"node{i}.key", folder / "node.key")
@@ -164,8 +183,9 @@ class MultiHostSwarm:
         self._wait(lambda: self._status() is not None, 90, "the coordinator to serve")
         if self.plan.prometheus:
             self._start_prometheus()
-        self.net.block_tcp_port(ROLES.index("no-dht"), DHT_PORT)
-        for i, role in enumerate(ROLES):
+        if "no-dht" in self.roles:
+            self.net.block_tcp_port(self.roles.index("no-dht"), DHT_PORT)
+        for i, role in enumerate(self.roles):
             template = DIAL_ONLY_NODE if role == "dial-only" else INBOUND_NODE
             argv = command(template, self.coordinator_ip)
             data = self.folder / f"node{i}"
@@ -176,7 +196,7 @@ class MultiHostSwarm:
             self._wait(lambda n=i + 1: len(self._status().nodes) >= n, 120, f"node{i} to join")
 
     def _start_prometheus(self) -> None:
-        targets = [f"{self.host_ip(i)}:{METRICS_PORT}" for i in range(len(ROLES))]
+        targets = [f"{self.host_ip(i)}:{METRICS_PORT}" for i in range(len(self.roles))]
         config = {
             "global": {"scrape_interval": "1s", "scrape_timeout": "1s"},
             "scrape_configs": [
@@ -279,11 +299,11 @@ def run(plan: MultiHostPlan, codecs: dict[str, CodecConfig]) -> list[dict]:
             status = json.loads(swarm.fetch(f"http://{swarm.coordinator_ip}:{METRICS_PORT}/status"))
             steps = swarm.poller.steps[2:] or swarm.poller.steps  # past process start-up
             seconds = sum(s.wall_seconds for s in steps)
-            logs = [swarm.log(f"node{i}") for i in range(len(ROLES))]
+            logs = [swarm.log(f"node{i}") for i in range(len(plan.roles))]
             rows.append(
                 {
                     "codec": name,
-                    "hosts": len(ROLES) + 1,
+                    "hosts": len(plan.roles) + 1,
                     "link_mbps": plan.mbps,
                     "steps": len(swarm.poller.steps),
                     "tokens_per_s": sum(s.tokens for s in steps) / seconds if seconds else 0.0,

@@ -132,6 +132,7 @@ def markdown(r: dict) -> str:
         *_averaging_section(r),
         *_replicas_section(r),
         *_replica_sync_section(r),
+        *_wan_replicas_section(r),
         *quality_report.section(r),
         *_precision_section(r),
         *_relay_section(r),
@@ -399,6 +400,34 @@ def _replica_sync_section(r: dict) -> list[str]:
                 ("s/step at link", "seconds_per_step_at_link", ".4f"),
                 ("loss", "loss_at_equal_tokens", ".3f"),
                 ("loss / per-step", "loss_vs_per_step", ".3f"),
+            ],
+        ),
+        "",
+    ]
+
+
+def _wan_replicas_section(r: dict) -> list[str]:
+    rows, plan = r.get("wan_replicas"), r["plan"].get("wan_replicas")
+    if not rows or "skipped" in rows:
+        return []
+    model, mbps = plan["model"], rows[0]["link_mbps"]
+    return [
+        f"## Replicas on emulated {mbps:g} Mbit/s hosts: per-step averaging against outer steps",
+        f"The multi-host recipe's swarm in network namespaces (TLS, DHT, every host behind a "
+        f"{rows[0]['link_mbps']:g} Mbit/s access link): 2 stages of a d={model['d_model']}, "
+        f"{model['n_layers']}-layer model, stage 1 computing {plan['slowdown']:g}x as long (a wait), "
+        "alone or with a second replica on a third host; tokens/s over the second half of the steps "
+        "(after the replica joined). Averaging columns: per replica, from the nodes' summaries.",
+        "",
+        _table(
+            rows,
+            [
+                ("mode", "mode", ""),
+                ("tokens/s", "tokens_per_s", ".0f"),
+                ("vs 1 replica", "tokens_vs_one_replica", ".2f"),
+                ("averaging B/step", "averaging_bytes_per_replica_step", ",.0f"),
+                ("averaging s/round", "averaging_s_per_round", ".3f"),
+                ("restarts", "epochs_restarted", "d"),
             ],
         ),
         "",

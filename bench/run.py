@@ -35,6 +35,7 @@ from bench import (
     replicas,
     report,
     throughput,
+    wan_replicas,
     wire,
 )
 from bench.codecs import CodecCase, codec_cases
@@ -68,6 +69,7 @@ class BenchPlan:
     averaging: averaging.AveragingPlan | None = None
     replicas: replicas.ReplicaPlan | None = None
     replica_sync: replica_sync.ReplicaSyncPlan | None = None
+    wan_replicas: wan_replicas.WanReplicaPlan | None = None
     quality: quality.QualityPlan | None = None
     precision: precision.PrecisionPlan | None = None
     relay: relay.RelayPlan | None = None
@@ -192,6 +194,9 @@ def plan(quick: bool) -> BenchPlan:
         replica_sync=replica_sync.ReplicaSyncPlan(
             dataclasses.replace(MODEL_PRESETS["tiny"], n_layers=2),
             TrainConfig(steps=100, batch_size=4, seq_len=32, microbatches=2, lr=1e-2),
+        ),
+        wan_replicas=wan_replicas.WanReplicaPlan(
+            small, TrainConfig(steps=60, batch_size=8, seq_len=128, microbatches=2)
         ),
         quality=quality.QualityPlan(
             small,
@@ -327,6 +332,8 @@ def sections(p: BenchPlan, quick: bool, cache: Path | None = None) -> dict[str, 
         out["replicas"] = lambda: replicas.run(p.replicas)
     if p.replica_sync is not None:
         out["replica_sync"] = lambda: replica_sync.run(p.replica_sync)
+    if p.wan_replicas is not None:
+        out["wan_replicas"] = lambda: _needs_netns(lambda: wan_replicas.run(p.wan_replicas))
     if p.quality is not None:
         out["quality"] = lambda: _quality(p.quality, cache)
     if p.precision is not None:

@@ -62,9 +62,14 @@ class Progress:
         return min([self.timeline] + [self._host_last.get(n, self._base) for n in hosts])
 
     def record(self, request: coordinator_pb2.StepReport) -> None:
-        """Record a stage's step report (from a node hosting that stage); update the gauges."""
+        """Record a stage's step report (from a node hosting that stage); update the gauges. The
+        stage's totals come from its lead (its first host); another replica's report says only how
+        far that replica got."""
         if request.step > self._host_last.get(request.node_id, self._base):
             self._host_last[request.node_id] = request.step
+        hosts = self.roster.owners()[request.stage] if request.stage < self.config.n_stages else ()
+        if hosts and hosts[0] != request.node_id:
+            return
         if request.step > self.timeline:
             self._reported.setdefault(request.step, set()).add(request.stage)
             while len(self._reported.get(self.timeline + 1, ())) == self.config.n_stages:

@@ -319,7 +319,11 @@ class StageHost:
         return self.rotating and (step + 1) % self.config.rotation.interval == 0
 
     def _report(self, epoch: int, outcome: StepOutcome) -> None:
-        if outcome.stage not in self.leads:
+        if outcome.stage not in self.leads:  # the lead reports the stage's totals; this, how far it got
+            progress = cpb.StepReport(
+                plan_epoch=epoch, node_id=self.node_id, stage=outcome.stage, step=outcome.step
+            )
+            self.client.report("ReportStep", progress)
             return
         s = outcome.stats
         request = cpb.StepReport(

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import multihost
+from bench import multihost, wan_replicas
 from bench.multihost import (
     CERTS,
     COORDINATOR,
@@ -28,7 +28,7 @@ from bench.multihost import (
     MultiHostPlan,
 )
 from bench.netns import available
-from swarm.core.config import MODEL_PRESETS, TrainConfig
+from swarm.core.config import MODEL_PRESETS, ReplicaSyncConfig, TrainConfig
 from tests.test_deploy import dashboard_exprs
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -183,3 +183,19 @@ def test_swarm_status_from_a_volunteer_host(swarm):
     for text in (table, json.dumps(doc)):
         assert swarm.token not in text
         assert not any(node_id in text for node_id in full_ids)  # ids are credentials: shortened
+
+
+@pytest.mark.slow
+@needs_netns
+def test_a_replica_on_another_host_averages_across_the_emulated_links():
+    """The ``wan_replicas`` section in small: a second replica of the slow stage joins on a third
+    host and syncs by overlapped int8 outer steps over the access links; the run completes every
+    step, both replicas report their averaging, and one replica alone averages nothing."""
+    train = TrainConfig(steps=16, batch_size=4, seq_len=32, microbatches=2, lr=1e-2, warmup_steps=1)
+    sync = ReplicaSyncConfig(mode="outer", every=4, format="int8", overlap=1)
+    plan = wan_replicas.WanReplicaPlan(MODEL_PRESETS["tiny"], train, slowdown=2.0, syncs=(sync,))
+    one, two = wan_replicas.run(plan)
+    assert (one["mode"], two["mode"]) == ("1 replica", "2 replicas, outer H=4 int8 overlap 1")
+    assert one["steps"] == two["steps"] == 16 and one["tokens_per_s"] > 0 < two["tokens_per_s"]
+    assert one["averaging_bytes_per_replica_step"] == 0 < two["averaging_bytes_per_replica_step"]
+    assert two["replicas_seen"] == 2

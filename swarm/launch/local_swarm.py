@@ -495,6 +495,7 @@ class StatusPoller:
         self.nodes: list[coordinator_pb2.NodeStatus] = []
         self.run_complete = False
         self.epochs_restarted = 0
+        self.resume_step = 0  # where the current plan epoch resumed
 
     def poll(self) -> list[coordinator_pb2.StepSummary]:
         """The steps completed for the first time since the last poll."""
@@ -502,7 +503,7 @@ class StatusPoller:
         new = list(reply.steps[len(self.steps) :])
         self.steps = list(reply.steps)
         self.nodes, self.run_complete = list(reply.nodes), reply.run_complete
-        self.epochs_restarted = reply.epochs_restarted
+        self.epochs_restarted, self.resume_step = reply.epochs_restarted, reply.resume_step
         return new
 
     def close(self) -> None:
