@@ -53,6 +53,7 @@ if TYPE_CHECKING:  # not imported at run time: the relay process starts without 
 LISTENING = re.compile(r"coordinator listening on (\S+)")
 RELAYING = re.compile(r"relay listening on (\S+)")
 GRACE_S = 10.0
+EXIT_GRACE_S = 30.0  # a node that said Leave at the run's end and still runs after this is stopped
 STATE_FILE = "coordinator.sqlite"  # in the run folder; the coordinator writes the model beside it
 WARMUP_STEPS = 2
 
@@ -524,6 +525,7 @@ def _follow(
     bar = tqdm(total=config.train.steps, disable=not progress, desc="swarm", unit="step")
     deadline, t0 = time.monotonic() + timeout, time.monotonic()
     boundaries = max(1, config.n_stages - 1)
+    done_at = None  # when the run was complete and every node had said Leave
     try:
         while any(p.poll() is None for p in procs):
             if any(p.poll() not in (None, 0) for i, p in enumerate(procs) if i not in killed):
@@ -532,6 +534,11 @@ def _follow(
                 churn()
             if time.monotonic() > deadline:
                 raise TimeoutError(f"the swarm did not finish within {timeout}s")
+            if poller.run_complete and poller.nodes and all(n.left or not n.alive for n in poller.nodes):
+                done_at = done_at or time.monotonic()
+                if time.monotonic() - done_at > EXIT_GRACE_S:
+                    _stop_stragglers(procs)
+                    break
             time.sleep(0.5)
             new = poller.poll()
             if new:
@@ -546,6 +553,19 @@ def _follow(
         poller.poll()
     finally:
         bar.close()
+
+
+def _stop_stragglers(procs: list[subprocess.Popen]) -> None:
+    """Stop the nodes still running ``EXIT_GRACE_S`` after they said Leave at the run's end."""
+    for i, p in enumerate(procs):
+        if p.poll() is None:
+            print(f"warning: node{i} said Leave but did not exit within {EXIT_GRACE_S:.0f} s: stopping it")
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            p.kill()
 
 
 def _summary(config: RunConfig, steps: list, seconds: float, logs: list[Path]) -> SwarmSummary:
