@@ -138,7 +138,8 @@ class ReplicaGroup:
             shares(numel, [1.0] * len(self.siblings)),
             tuple(float(s.microbatches) for s in self.siblings),
         )
-        stats, seconds = await self._average(round_, means)
+        gradients = 0 if worker.config.replica_sync.mode == "outer" else len(params)
+        stats, seconds = await self._average(round_, means, screened=gradients)
         self.rounds, self.bytes_sent, self.seconds = (
             self.rounds + 1,
             self.bytes_sent + stats.bytes_sent,
@@ -192,12 +193,16 @@ class ReplicaGroup:
         self.seconds += seconds
 
     async def _average(
-        self, round_: Round, tensors: list[torch.Tensor], fmt: SyncFormat | None = None
+        self,
+        round_: Round,
+        tensors: list[torch.Tensor],
+        fmt: SyncFormat | None = None,
+        screened: int | None = None,
     ) -> tuple[RoundStats, float]:
         """One round (its failure: the replica it lost), counted in the metrics; its stats and seconds."""
         start = time.perf_counter()
         try:
-            stats = await self.averager.average(round_, tensors, fmt)
+            stats = await self.averager.average(round_, tensors, fmt, screened)
         except RoundFailed as e:
             raise self._lost(e) from e
         seconds = time.perf_counter() - start

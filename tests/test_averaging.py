@@ -174,3 +174,36 @@ def test_a_poisoned_contribution_is_dropped_and_counted(attack: str):
     expected = (honest[0].double() + honest[1].double()) / 2
     assert torch.allclose(mine[0][0].double(), expected, rtol=0, atol=1e-6)
     assert torch.equal(mine[0][0], mine[1][0])
+
+
+def test_a_slice_nearly_zero_on_one_replica_is_no_poison():
+    """Honest gradients can be sparse: the output-head rows of tokens only one replica's microbatches
+    hold are nearly zero on the other. Two replicas whose first part is 10^4 times smaller on one:
+    screened against the whole gradient's RMS (not that part's alone), the round goes through and
+    averages them exactly; a part 10^4 times the whole gradient is still refused."""
+    numel, part = 1 << 14, 1 << 9
+    honest = [torch.randn(numel, generator=torch.Generator().manual_seed(i)) * 1e-3 for i in range(2)]
+    honest[0][:part] *= 1e-4
+
+    async def scenario(tensors: list[torch.Tensor]):
+        p2ps = await p2p_group(2)
+        try:
+            group = await averagers(p2ps, sender_timeout=2.0, reducer_timeout=4.0, part_size_bytes=part * 8)
+            round_ = Round("step-0/0", tuple(p.peer_id for p in p2ps), (1.0, 1.0), (1.0, 1.0))
+            mine = [[t.clone()] for t in tensors]
+            outcomes = await asyncio.gather(
+                *(a.average(round_, t) for a, t in zip(group, mine, strict=True)), return_exceptions=True
+            )
+            return outcomes, mine
+        finally:
+            for p in p2ps:
+                await p.shutdown()
+
+    outcomes, mine = run(scenario(honest))
+    assert not any(isinstance(o, BaseException) for o in outcomes), outcomes
+    expected = (honest[0].double() + honest[1].double()) / 2
+    assert all(torch.allclose(m[0].double(), expected, rtol=1e-6, atol=1e-12) for m in mine)  # float32
+    scaled = honest[1].clone()
+    scaled[:part] = torch.randn(part) * 10.0  # 10^4 x the whole gradient's RMS
+    outcomes, _ = run(scenario([honest[0], scaled]))
+    assert isinstance(outcomes[0], RoundFailed) and outcomes[0].poisoned, outcomes

@@ -32,6 +32,7 @@ import asyncio
 import collections
 import contextlib
 import hashlib
+import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -59,6 +60,8 @@ from hivemind.utils.asyncio import achain, as_aiter
 
 from swarm.runtime.norm_guard import root_mean_square
 from swarm.runtime.sync_formats import SyncFormat
+
+log = logging.getLogger(__name__)
 
 POISON_FACTOR = 100.0  # a part whose RMS exceeds this many times our own part of the slice is refused
 JOIN_WAIT_S = 10.0  # a stream for a round this replica has not started yet waits this long for it
@@ -125,12 +128,14 @@ class PoisonedPart(ValueError):
     """A member's part is non-finite or far larger than this replica's own part of the same slice."""
 
 
-def poison(part: torch.Tensor, own: torch.Tensor, factor: float) -> str | None:
+def poison(part: torch.Tensor, own: torch.Tensor, factor: float, floor: float = 0.0) -> str | None:
     """Why ``part`` must not be summed (None: it may): non-finite values, or an RMS above
-    ``factor`` x this replica's ``own`` part (an honest reference from the same round)."""
+    ``factor`` x this replica's ``own`` part (an honest reference from the same round), or x
+    ``floor`` where that is larger (a slice that is nearly zero here, such as output-head rows
+    of tokens only another replica's microbatches hold, may be far larger elsewhere)."""
     if not bool(torch.isfinite(part).all()):
         return "non-finite values"
-    theirs, mine = root_mean_square(part), root_mean_square(own)
+    theirs, mine = root_mean_square(part), max(root_mean_square(own), floor)
     if mine > 0 and theirs > factor * mine:
         return f"RMS {theirs:.3g} is over {factor:g} x this replica's {mine:.3g}"
     return None
@@ -254,6 +259,7 @@ class _Runner(AllReduceRunner):
         self.served.set()
         self.poisoned: set[PeerID] = set()
         self.poison_factor = POISON_FACTOR
+        self.poison_floor = 0.0  # see poison
 
     async def _communicate_with_peer(self, peer_id: PeerID):
         if self.fmt is not None and peer_id == self.peer_id:
@@ -358,9 +364,10 @@ class _Runner(AllReduceRunner):
                 problem = f"not in the round's {self.fmt.name} format ({e})"
         if problem is None and not math.isclose(weight, agreed, rel_tol=1e-9):
             problem = f"weighs its parts {weight}, not the agreed {agreed}"
-        problem = problem or poison(part, own, self.poison_factor)
+        problem = problem or poison(part, own, self.poison_factor, self.poison_floor)
         if problem is not None:
             self.poisoned.add(sender)
+            log.warning("round %s refuses part %d from %s: %s", self.round.key, part_index, sender, problem)
             raise PoisonedPart(f"part {part_index} from {sender}: {problem}")
         return part
 
@@ -428,11 +435,17 @@ class ReplicaAverager:
         await self.router.remove_p2p_handlers(self.p2p, namespace=self.namespace)
 
     async def average(
-        self, round_: Round, tensors: Sequence[torch.Tensor], fmt: SyncFormat | None = None
+        self,
+        round_: Round,
+        tensors: Sequence[torch.Tensor],
+        fmt: SyncFormat | None = None,
+        screened: int | None = None,
     ) -> RoundStats:
         """Replace ``tensors`` in place by the weighted average over the round's members (sent in
         ``fmt`` where given, after rounding each member's tensors to it; else float64);
-        :class:`RoundFailed` (tensors unchanged) if the round lost a member."""
+        :class:`RoundFailed` (tensors unchanged) if the round lost a member. ``screened``: how many
+        of the first tensors are of one kind (gradients), whose RMS here is the least reference a
+        part is screened against (:func:`poison`); None: all of them."""
         work = [t.detach().to("cpu", torch.float64).contiguous() for t in tensors]
         if fmt is not None:
             work = [fmt.roundtrip(w) for w in work]
@@ -451,6 +464,10 @@ class ReplicaAverager:
             reducer_timeout=self.reducer_timeout,
             part_size_bytes=self.part_size_bytes,
         )
+        reference = work[:screened]
+        numel = sum(w.numel() for w in reference)
+        if numel:
+            runner.poison_floor = math.sqrt(sum(float(w.pow(2).sum()) for w in reference) / numel)
         await self.router.register(round_.group_id, runner)
 
         async def collect() -> list[torch.Tensor]:
@@ -481,7 +498,7 @@ class ReplicaAverager:
         for base, result in zip(work, results, strict=True):
             # A reducer could return anything: an average of finite parts is finite and no larger
             # than the largest of them, so one far larger than our own part is refused.
-            if poison(result, base, POISON_FACTOR) is not None:
+            if poison(result, base, POISON_FACTOR, runner.poison_floor) is not None:
                 raise RoundFailed(set(), set(), set(round_.peers) - {self.p2p.peer_id}, implausible=True)
         for tensor, result in zip(tensors, results, strict=True):
             tensor.copy_(result)
