@@ -17,7 +17,8 @@ finish a round another member fails (a CANCELLED answer reached only some), so t
 agree on each round's outcome (the coordinator's job once replicas are wired in) before
 applying it.
 A reducer screens every part before summing it: a non-finite part, or one whose RMS exceeds
-100x the reducer's own part of the same slice, drops its sender like a silent one and is counted
+100x the reducer's own part of the same slice and 100x its whole gradient's RMS (``screened``),
+drops its sender like a silent one and is counted
 (:attr:`ReplicaAverager.offences`) so repeated offenders can be evicted.
 
 A round may send its tensors in a :class:`~swarm.runtime.sync_formats.SyncFormat` (outer steps'
@@ -63,7 +64,7 @@ from swarm.runtime.sync_formats import SyncFormat
 
 log = logging.getLogger(__name__)
 
-POISON_FACTOR = 100.0  # a part whose RMS exceeds this many times our own part of the slice is refused
+POISON_FACTOR = 100.0  # a part whose RMS exceeds this many times our own (part, whole) is refused
 JOIN_WAIT_S = 10.0  # a stream for a round this replica has not started yet waits this long for it
 
 
