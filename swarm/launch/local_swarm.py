@@ -243,10 +243,10 @@ def up(
         chaos = ChaosMonkey(chaos_s, chaos_seed) if chaos_s > 0 else None
         churn = functools.partial(_churn, chaos, poller, swarm) if chaos else None
         try:
-            _follow(config, poller, swarm.procs, progress, timeout, swarm.killed, churn)
+            end = _follow(config, poller, swarm.procs, progress, timeout, swarm.killed, churn)
         finally:
             poller.close()
-        summary = _result(config, swarm, poller, chaos, time.monotonic() - start)
+        summary = _result(config, swarm, poller, chaos, end - start)
     finally:
         launch.group.stop()  # the coordinator finishes writing the model before it exits
         restore_sigterm()
@@ -519,9 +519,10 @@ def _follow(
     timeout: float,
     killed: set[int] = frozenset(),
     churn: Callable[[], None] | None = None,
-):
+) -> float:
     """Show step, loss, tokens/s and wire bytes/token until every node has exited (``churn``: kill
-    a node whenever the chaos monkey says so)."""
+    a node whenever the chaos monkey says so); when the run ended (every node exited, or the run
+    was complete and every node had said Leave: a straggler's exit does not count)."""
     bar = tqdm(total=config.train.steps, disable=not progress, desc="swarm", unit="step")
     deadline, t0 = time.monotonic() + timeout, time.monotonic()
     boundaries = max(1, config.n_stages - 1)
@@ -529,7 +530,7 @@ def _follow(
     try:
         while any(p.poll() is None for p in procs):
             if any(p.poll() not in (None, 0) for i, p in enumerate(procs) if i not in killed):
-                return
+                return time.monotonic()
             if churn is not None:
                 churn()
             if time.monotonic() > deadline:
@@ -538,7 +539,7 @@ def _follow(
                 done_at = done_at or time.monotonic()
                 if time.monotonic() - done_at > EXIT_GRACE_S:
                     _stop_stragglers(procs)
-                    break
+                    return done_at
             time.sleep(0.5)
             new = poller.poll()
             if new:
@@ -551,6 +552,7 @@ def _follow(
                     B_tok=f"{wire / boundaries / max(1, tokens):.1f}",
                 )
         poller.poll()
+        return time.monotonic()
     finally:
         bar.close()
 
