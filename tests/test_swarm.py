@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from swarm.core.config import MODEL_PRESETS, CodecConfig, RotationConfig, RunCon
 from swarm.io import model_io
 from swarm.io.artifacts import ArtifactCache
 from swarm.io.data import BatchSampler, batch_ids, load_dataset
+from swarm.launch import local_swarm
 from swarm.launch.local_swarm import up
 from swarm.runtime.pipeline import LocalPipeline
 
@@ -223,3 +225,33 @@ def free_port_range(n: int) -> int:
                 continue
         return base
     raise RuntimeError(f"no {n} consecutive free ports")
+
+
+class CompletedRun:
+    """What the coordinator's status says once the run is complete and every node said Leave."""
+
+    def __init__(self):
+        self.run_complete, self.steps = True, []
+        self.nodes = [dataclasses.make_dataclass("Node", [("left", bool), ("alive", bool)])(True, False)]
+
+    def poll(self) -> list:
+        return []
+
+
+def test_a_node_that_said_leave_but_keeps_running_is_stopped_and_not_timed(monkeypatch, capsys):
+    """``swarm up``'s follower: once the run is complete and every node said Leave, a node process
+    still running after the grace is stopped with a warning, and the run's end is when that state
+    was first seen, not when the straggler was stopped."""
+    monkeypatch.setattr(local_swarm, "EXIT_GRACE_S", 1.0)
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait(timeout=30)
+    straggler = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        start = time.monotonic()
+        end = local_swarm._follow(RunConfig(), CompletedRun(), [exited, straggler], False, timeout=60)
+        assert straggler.wait(timeout=15) != 0  # terminated
+        assert start <= end < start + 0.9 and time.monotonic() >= end + 1.0  # stopped after the grace
+        assert "node1 said Leave but did not exit" in capsys.readouterr().out
+    finally:
+        straggler.kill()
+        straggler.wait(timeout=15)
