@@ -144,7 +144,7 @@ def _row(p: ReplicaSyncPlan, sync: ReplicaSyncConfig, batches: list[torch.Tensor
     per_step = (g.bytes_sent + g.sync_bytes) / p.train.steps
     outer = sync.mode == "outer"
     return {
-        "mode": _mode(sync),
+        "mode": mode_name(sync),
         "overlap": sync.overlap,
         "every": sync.every if outer else 1,
         "format": sync.format if outer else "fp64",
@@ -158,7 +158,8 @@ def _row(p: ReplicaSyncPlan, sync: ReplicaSyncConfig, batches: list[torch.Tensor
     }
 
 
-def _mode(sync: ReplicaSyncConfig) -> str:
+def mode_name(sync: ReplicaSyncConfig) -> str:
+    """How the report names ``sync``: ``per-step fp64``, ``outer H=10 int8`` (``overlap 1``)."""
     if sync.mode != "outer":
         return "per-step fp64"
     return f"outer H={sync.every} {sync.format}" + (f" overlap {sync.overlap}" if sync.overlap else "")

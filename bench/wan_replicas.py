@@ -20,6 +20,7 @@ import tempfile
 from pathlib import Path
 
 from bench.multihost import MultiHostPlan, running
+from bench.replica_sync import mode_name
 from bench.replicas import SUMMARY
 from swarm.core.config import EmulationConfig, ModelConfig, ReplicaSyncConfig, TrainConfig
 
@@ -38,12 +39,7 @@ class WanReplicaPlan:
 
 
 def mode(replicas: int, sync: ReplicaSyncConfig) -> str:
-    if replicas == 1:
-        return "1 replica"
-    if sync.mode != "outer":
-        return f"{replicas} replicas, per-step fp64"
-    overlap = f" overlap {sync.overlap}" if sync.overlap else ""
-    return f"{replicas} replicas, outer H={sync.every} {sync.format}{overlap}"
+    return "1 replica" if replicas == 1 else f"{replicas} replicas, {mode_name(sync)}"
 
 
 def run(p: WanReplicaPlan) -> list[dict]:
