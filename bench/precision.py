@@ -7,7 +7,9 @@ timing. Model FLOPs per token are those of the layers' and the head's matrix pro
 and backward (3x the forward), with the attention scores counted at full length (PaLM's
 ``6N + 12 L d T`` convention) and a subspace-constrained write as its two thin products
 (``W'`` then ``U^T``). MFU divides the achieved FLOP/s by the device's dense bf16 peak, the same
-peak for both precisions; it is left empty where the peak is unknown (every CPU).
+peak for both precisions; it is left empty where the peak is unknown (every CPU). With
+``compiled``, the rows with no serialisation are measured again with ``train.compile`` (each layer
+compiled by torch.compile; the compile time falls in the warm-up steps, reported apart).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class PrecisionPlan:
     stage_counts: tuple[int, ...] = (1, 4)
     warmup_steps: int = 1
     steps: int = 3  # timed
+    compiled: bool = True  # also measure with each layer compiled (where nothing is serialised)
 
 
 def flops_per_token(model: ModelConfig, seq_len: int) -> float:
@@ -71,7 +74,7 @@ def measure(
     pipe = LocalPipeline(config, device=device, frames=frames)
     gen = torch.Generator().manual_seed(config.train.seed)
     shape = (config.train.batch_size, config.train.seq_len + 1)
-    seconds, tokens, loss = [], 0, float("nan")
+    seconds, warmup, tokens, loss = [], 0.0, 0, float("nan")
     for step in range(warmup_steps + steps):
         ids = torch.randint(0, config.model.vocab_size, shape, generator=gen)
         _sync(device)
@@ -81,38 +84,58 @@ def measure(
         if step >= warmup_steps:
             seconds.append(time.perf_counter() - t0)
             tokens += result.tokens
+        else:
+            warmup += time.perf_counter() - t0
         loss = result.loss
-    return {"tokens_per_s": tokens / sum(seconds), "step_seconds": seconds, "final_loss": loss}
+    return {
+        "tokens_per_s": tokens / sum(seconds),
+        "step_seconds": seconds,
+        "warmup_seconds": warmup,
+        "final_loss": loss,
+    }
+
+
+def _modes(plan: PrecisionPlan, n_stages: int) -> list[tuple[str, bool]]:
+    """(boundaries, compiled) of the rows for ``n_stages``; serialised boundaries run eager only."""
+    boundaries = ("carried", "serialised") if n_stages > 1 else ("none",)
+    compiled = (False, True) if plan.compiled else (False,)
+    return [(b, c) for b in boundaries for c in compiled if not (c and b == "serialised")]
 
 
 def run(plan: PrecisionPlan, device: str = "auto") -> dict:
     """fp32 and bf16 rows for every stage count (several stages: boundaries carried on the device and,
-    side by side, serialised), with model TFLOP/s, MFU and the ratios between rows."""
+    side by side, serialised; eager and compiled layers), with model TFLOP/s, MFU and the ratios
+    between rows."""
     dev = pick_device(device)
     peak = peak_bf16_flops(dev)
     per_token = flops_per_token(plan.model, plan.train.seq_len)
     rows = []
     for n_stages in plan.stage_counts:
-        for boundaries in ("carried", "serialised") if n_stages > 1 else ("none",):
+        for boundaries, compiled in _modes(plan, n_stages):
             for precision in ("fp32", "bf16"):
-                train = dataclasses.replace(plan.train, precision=precision)
+                train = dataclasses.replace(plan.train, precision=precision, compile=compiled)
                 config = RunConfig(model=plan.model, train=train, n_stages=n_stages)
-                row = {"n_stages": n_stages, "boundaries": boundaries, "precision": precision}
+                row = {"n_stages": n_stages, "boundaries": boundaries, "compiled": compiled}
+                row["precision"] = precision
                 row |= measure(config, dev, plan.warmup_steps, plan.steps, frames=boundaries == "serialised")
                 row["model_tflops_per_s"] = row["tokens_per_s"] * per_token / 1e12
                 row["mfu"] = row["tokens_per_s"] * per_token / peak if peak else None
                 rows.append(row)
+
+    def tokens_per_s(**match) -> float:
+        return next(r["tokens_per_s"] for r in rows if all(r[k] == v for k, v in match.items()))
+
     for row in rows:
-        same = {
-            r["precision"]: r
-            for r in rows
-            if r["n_stages"] == row["n_stages"] and r["boundaries"] == row["boundaries"]
-        }
-        one = next(
-            r for r in rows if r["n_stages"] == plan.stage_counts[0] and r["precision"] == row["precision"]
+        n, b, c, p = row["n_stages"], row["boundaries"], row["compiled"], row["precision"]
+        row["speedup_vs_fp32"] = row["tokens_per_s"] / tokens_per_s(
+            n_stages=n, boundaries=b, compiled=c, precision="fp32"
         )
-        row["speedup_vs_fp32"] = row["tokens_per_s"] / same["fp32"]["tokens_per_s"]
-        row["vs_first_stage_count"] = row["tokens_per_s"] / one["tokens_per_s"]
+        row["speedup_vs_eager"] = row["tokens_per_s"] / tokens_per_s(
+            n_stages=n, boundaries=b, compiled=False, precision=p
+        )
+        row["vs_first_stage_count"] = row["tokens_per_s"] / tokens_per_s(
+            n_stages=plan.stage_counts[0], compiled=c, precision=p
+        )
     return {
         "device": torch.cuda.get_device_name(dev) if dev.type == "cuda" else str(dev),
         "peak_bf16_tflops": peak / 1e12 if peak else None,

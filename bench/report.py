@@ -450,19 +450,23 @@ def _precision_section(r: dict) -> list[str]:
         f"{plan['warmup_steps']} warm-up. {p['flops_per_token'] / 1e6:.1f} model MFLOP per token "
         "(forward + backward); MFU against the bf16 peak for both precisions. Several stages hand their "
         "boundaries over on the device (carried, as `swarm train` does) or serialise and decode every "
-        "crossing (the wire's code path), side by side.",
+        "crossing (the wire's code path), side by side. Compiled rows run each layer through "
+        "torch.compile (`--compile`); their compile time is in the warm-up column.",
         "",
         _table(
             p["rows"],
             [
                 ("stages", "n_stages", ""),
                 ("boundaries", "boundaries", ""),
+                ("compiled", "compiled", ""),
                 ("precision", "precision", ""),
                 ("tokens/s", "tokens_per_s", ",.0f"),
                 ("model TFLOP/s", "model_tflops_per_s", ".3f"),
                 ("MFU", "mfu", ".1%"),
                 ("vs fp32", "speedup_vs_fp32", ".2f"),
+                ("vs eager", "speedup_vs_eager", ".2f"),
                 ("vs fewest stages", "vs_first_stage_count", ".2f"),
+                ("warm-up s", "warmup_seconds", ".1f"),
                 ("loss at last step", "final_loss", ".3f"),
             ],
         ),

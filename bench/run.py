@@ -133,7 +133,11 @@ def plan(quick: bool) -> BenchPlan:
                 shaper="transport",
             ),
             precision=precision.PrecisionPlan(
-                tiny, TrainConfig(batch_size=4, seq_len=32, microbatches=2), stage_counts=(1, 2), steps=2
+                tiny,
+                TrainConfig(batch_size=4, seq_len=32, microbatches=2),
+                stage_counts=(1, 2),
+                steps=2,
+                compiled=False,  # compiling takes longer than the quick section's whole run
             ),
             relay=relay.RelayPlan(
                 tiny, TrainConfig(steps=6, batch_size=4, seq_len=32, microbatches=2), megabytes=64
@@ -237,7 +241,7 @@ def _precision_plan() -> precision.PrecisionPlan:
         train = TrainConfig(batch_size=16, seq_len=1024, microbatches=4)
         return precision.PrecisionPlan(MODEL_PRESETS["150m"], train, warmup_steps=2, steps=5)
     train = TrainConfig(batch_size=8, seq_len=128, microbatches=4)
-    return precision.PrecisionPlan(MODEL_PRESETS["small"], train)
+    return precision.PrecisionPlan(MODEL_PRESETS["small"], train, steps=8)
 
 
 def _cases(model: ModelConfig) -> list[CodecCase]:

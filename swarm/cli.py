@@ -34,6 +34,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--schedule", choices=SCHEDULES, help="microbatch schedule of every stage (swarm runs)")
     g.add_argument("--precision", choices=PRECISIONS, help="layers' compute (bf16: autocast, fp32 weights)")
     g.add_argument(
+        "--compile",
+        action="store_const",
+        const=True,
+        help="torch.compile each layer (slower first step, faster ones after)",
+    )
+    g.add_argument(
         "--replicas", type=int, help="most nodes per stage (swarm runs; extra nodes join the slowest stage)"
     )
     g.add_argument("--lr", type=float)
@@ -70,6 +76,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         ("train", "microbatches"): args.microbatches,
         ("train", "schedule"): args.schedule,
         ("train", "precision"): args.precision,
+        ("train", "compile"): args.compile,
         ("train", "replicas"): args.replicas,
         ("train", "lr"): args.lr,
         ("train", "seed"): args.seed,

@@ -206,6 +206,10 @@ class TrainConfig:
     # What the stages' layers compute in: "fp32", or "bf16" (autocast around fp32 master weights and
     # optimizer state; the basis, boundary maps and wire formats keep their own precision).
     precision: str = "fp32"
+    # Compile each layer with torch.compile (inductor) on its first use: the first training step
+    # and the first evaluation take the compile time (seconds to a minute), later ones run the
+    # fused kernels. Same maths, rounding aside; emulated stages ignore it.
+    compile: bool = False
 
     def __post_init__(self) -> None:
         if self.schedule not in SCHEDULES:

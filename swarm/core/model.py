@@ -253,6 +253,12 @@ class Stage(nn.Module):
             x = self.head(self.norm(x))
         return x
 
+    def compile_layers(self) -> None:
+        """Compile each layer in place with ``torch.compile`` (parameter names stay as they are);
+        the first call of each layer per shape and mode (training, evaluation) compiles."""
+        for block in self.layers.values():
+            block.compile()
+
     def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """The mean next-token cross-entropy of the last stage's ``logits`` (computed in fp32)."""
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())

@@ -90,6 +90,8 @@ class StageWorker:
         check_master_dtype(config.train.precision, dtype)
         start, end = stage_layer_ranges(config.model.n_layers, config.n_stages)[index]
         self.stage = _build_stage(config, start, end, fixed_embedding, basis).to(device, dtype)
+        if config.train.compile and isinstance(self.stage, Stage):
+            self.stage.compile_layers()
         # The codec's basis: the stage's own buffer when the model is constrained (rotations
         # then move both together), a private copy when it only serves the codec.
         self.basis = self.stage.basis
