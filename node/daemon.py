@@ -259,7 +259,7 @@ class NodeDaemon:
             set_context(stages=",".join(map(str, hosted)))
             say(
                 f"node {self.node_id[:8]} hosts stages {hosted} of run {self.identity.run_id} "
-                f"(epoch {plan.epoch}, from step {plan.resume_step})"
+                f"(epoch {plan.epoch}, from step {plan.resume_step}) on {self.device}"
             )
             self.metrics.plan_epoch.set(plan.epoch)
             outcome = await self._run_epoch(plan, fixed)

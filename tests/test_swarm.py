@@ -39,11 +39,13 @@ def swarm_config(n_stages: int = 3, steps: int = 20, rotation: RotationConfig | 
     )
 
 
-def reference_run(config: RunConfig, cache: Path) -> tuple[list[float], list[list[int]], list[list[int]]]:
+def reference_run(
+    config: RunConfig, cache: Path, device: str = "cpu"
+) -> tuple[list[float], list[list[int]], list[list[int]]]:
     """Per-step losses and codec-accounted bytes of the single-process pipeline on the same batches."""
     t = config.train
     sampler = BatchSampler(load_dataset(config, cache).train, t.batch_size, t.seq_len, t.seed)
-    pipe = LocalPipeline(config)
+    pipe = LocalPipeline(config, device=device)
     results = [pipe.train_step(step, batch_ids(*sampler.next_batch())) for step in range(t.steps)]
     return [r.loss for r in results], [r.bytes_forward for r in results], [r.bytes_backward for r in results]
 
