@@ -63,12 +63,12 @@ class Progress:
 
     def record(self, request: coordinator_pb2.StepReport) -> None:
         """Record a stage's step report (from a node hosting that stage); update the gauges. The
-        stage's totals come from its lead (its first host); another replica's report says only how
-        far that replica got."""
+        stage's totals come from its lead; another replica's report (``progress_only``) says only
+        how far that replica got. (Which host leads is the plan's, as the step ran: the roster's
+        order changes as soon as a lead leaves, while its siblings' reports are on their way.)"""
         if request.step > self._host_last.get(request.node_id, self._base):
             self._host_last[request.node_id] = request.step
-        hosts = self.roster.owners()[request.stage] if request.stage < self.config.n_stages else ()
-        if hosts and hosts[0] != request.node_id:
+        if request.progress_only:
             return
         if request.step > self.timeline:
             self._reported.setdefault(request.step, set()).add(request.stage)

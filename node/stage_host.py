@@ -321,7 +321,11 @@ class StageHost:
     def _report(self, epoch: int, outcome: StepOutcome) -> None:
         if outcome.stage not in self.leads:  # the lead reports the stage's totals; this, how far it got
             progress = cpb.StepReport(
-                plan_epoch=epoch, node_id=self.node_id, stage=outcome.stage, step=outcome.step
+                plan_epoch=epoch,
+                node_id=self.node_id,
+                stage=outcome.stage,
+                step=outcome.step,
+                progress_only=True,
             )
             self.client.report("ReportStep", progress)
             return

@@ -535,6 +535,7 @@ def test_a_lost_replica_resumes_the_others_after_the_last_step_of_the_current_hi
                             stage=int(name != "a"),
                             step=step,
                             tokens=1,
+                            progress_only=name == "r",
                         )
                         service.progress.record(report)
 
@@ -562,6 +563,42 @@ def test_a_lost_replica_resumes_the_others_after_the_last_step_of_the_current_hi
     assert after_rollback == (0, 1, 0)
     assert after_replica == (3, 1, 0)  # after step 2, from the hosts' own states, no restart counted
     assert after_last_host == (0, 2, 0)  # no cut: back to step 0, a restart
+
+
+def test_a_replicas_progress_report_never_replaces_its_leads_totals(tmp_path: Path):
+    """At the run's end the lead of a replicated stage may leave before its sibling's progress report
+    for the last step arrives; the sibling then heads the roster, but its report still carries no
+    totals: the step keeps the bytes and tokens the lead reported (it once recorded zeros)."""
+
+    async def scenario() -> list[tuple]:
+        async with contextlib.AsyncExitStack() as stack:
+            service, _ = await serving_coordinator(stack, tmp_path, 2, replicas=2)
+            ids = {}
+            for name in ("a", "b", "r"):
+                reply = await service.Join(
+                    join_request(name, await stack.enter_async_context(StageServer())), None
+                )
+                ids[name] = reply.node_id
+            service.roster.host([(ids["a"],), (ids["b"], ids["r"])])
+            service.planner.new_epoch("r replicates stage 1")
+            epoch = service.ledger.plan_epoch
+            record = service.progress.record
+            record(
+                cpb.StepReport(
+                    plan_epoch=epoch, node_id=ids["a"], stage=0, step=0, tokens=8, bytes_sent_forward=100
+                )
+            )
+            record(
+                cpb.StepReport(
+                    plan_epoch=epoch, node_id=ids["b"], stage=1, step=0, tokens=8, bytes_sent_backward=50
+                )
+            )
+            service.planner.evict(service.roster.nodes[ids["b"]])  # the lead left: r heads the roster
+            record(cpb.StepReport(plan_epoch=epoch, node_id=ids["r"], stage=1, step=0, progress_only=True))
+            return service.state.step_summaries(2)
+
+    [(step, _, tokens, forward, backward, _, _)] = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert (step, tokens, forward, backward) == (0, 8, 100, 50)
 
 
 def test_with_replicas_a_failure_between_live_nodes_goes_on_from_own_states_once(tmp_path: Path):

@@ -345,7 +345,7 @@ class StatisticsAck(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("plan_epoch", "node_id", "stage", "step", "loss", "tokens", "bytes_sent_forward", "bytes_sent_backward", "wall_seconds")
+    __slots__ = ("plan_epoch", "node_id", "stage", "step", "loss", "tokens", "bytes_sent_forward", "bytes_sent_backward", "wall_seconds", "progress_only")
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -355,6 +355,7 @@ class StepReport(_message.Message):
     BYTES_SENT_FORWARD_FIELD_NUMBER: _ClassVar[int]
     BYTES_SENT_BACKWARD_FIELD_NUMBER: _ClassVar[int]
     WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PROGRESS_ONLY_FIELD_NUMBER: _ClassVar[int]
     plan_epoch: int
     node_id: str
     stage: int
@@ -364,7 +365,8 @@ class StepReport(_message.Message):
     bytes_sent_forward: int
     bytes_sent_backward: int
     wall_seconds: float
-    def __init__(self, plan_epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ...) -> None: ...
+    progress_only: bool
+    def __init__(self, plan_epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ..., progress_only: _Optional[bool] = ...) -> None: ...
 
 class StepAck(_message.Message):
     __slots__ = ()
