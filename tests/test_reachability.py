@@ -506,6 +506,19 @@ def test_a_relayed_link_that_fails_twice_moves_to_another_relay(tmp_path: Path):
     assert first in relays and then in relays and then != first
 
 
+async def replicated_second_stage(stack: contextlib.AsyncExitStack, folder: Path):
+    """A 2-stage run's coordinator with node a on stage 0 and b (the lead) and r replicating stage 1;
+    the service and the nodes' ids by name."""
+    service, _ = await serving_coordinator(stack, folder, 2, replicas=2)
+    ids = {}
+    for name in ("a", "b", "r"):
+        reply = await service.Join(join_request(name, await stack.enter_async_context(StageServer())), None)
+        ids[name] = reply.node_id
+    service.roster.host([(ids["a"],), (ids["b"], ids["r"])])
+    service.planner.new_epoch("r replicates stage 1")
+    return service, ids
+
+
 def test_a_lost_replica_resumes_the_others_after_the_last_step_of_the_current_history(tmp_path: Path):
     """A 2-stage run with replicas b and r of stage 1 completes steps 0-5, rolls back (an epoch from
     step 0: no cut yet) and completes steps 0-2 again, then step 3 everywhere but on r (its
@@ -516,15 +529,7 @@ def test_a_lost_replica_resumes_the_others_after_the_last_step_of_the_current_hi
 
     async def scenario() -> list[tuple[int, int, int]]:
         async with contextlib.AsyncExitStack() as stack:
-            service, _ = await serving_coordinator(stack, tmp_path, 2, replicas=2)
-            ids = {}
-            for name in ("a", "b", "r"):
-                reply = await service.Join(
-                    join_request(name, await stack.enter_async_context(StageServer())), None
-                )
-                ids[name] = reply.node_id
-            service.roster.host([(ids["a"],), (ids["b"], ids["r"])])
-            service.planner.new_epoch("r replicates stage 1")
+            service, ids = await replicated_second_stage(stack, tmp_path)
 
             def steps(*numbers: int, hosts: tuple[str, ...] = ("a", "b", "r")) -> None:
                 for step in numbers:
@@ -572,15 +577,7 @@ def test_a_replicas_progress_report_never_replaces_its_leads_totals(tmp_path: Pa
 
     async def scenario() -> list[tuple]:
         async with contextlib.AsyncExitStack() as stack:
-            service, _ = await serving_coordinator(stack, tmp_path, 2, replicas=2)
-            ids = {}
-            for name in ("a", "b", "r"):
-                reply = await service.Join(
-                    join_request(name, await stack.enter_async_context(StageServer())), None
-                )
-                ids[name] = reply.node_id
-            service.roster.host([(ids["a"],), (ids["b"], ids["r"])])
-            service.planner.new_epoch("r replicates stage 1")
+            service, ids = await replicated_second_stage(stack, tmp_path)
             epoch = service.ledger.plan_epoch
             record = service.progress.record
             record(
