@@ -12,7 +12,7 @@ import logging
 import time
 
 from swarm.coordinator.assignment import Owners, Reach, stages_of
-from swarm.coordinator.reachability import ping
+from swarm.coordinator.reachability import ping, refused
 from swarm.coordinator.settings import CoordinatorSettings
 from swarm.coordinator.state import CoordinatorState, NodeRecord
 
@@ -203,9 +203,13 @@ class Roster:
 
     async def answers(self, node: NodeRecord, security: Security) -> bool:
         """Whether a node is alive after all: it answers a Ping within ``probe_timeout_s``, or, failing
-        that, still heartbeats for two more intervals (its port may just be out of our reach)."""
+        that, still heartbeats for two more intervals (its port may just be out of our reach). A port
+        that refuses the connection is a dead process's: no wait (a killed node costs its stage two
+        heartbeat intervals less)."""
         if not await ping(node.address, security, self.settings.probe_timeout_s):
             return True
+        if await refused(node.address, self.settings.probe_timeout_s):
+            return False
         silent_for = 2 * self.settings.heartbeat_interval_ms / 1000
         seen = self.last_seen[node.id]
         await asyncio.sleep(max(0.0, seen + silent_for - time.monotonic()))

@@ -444,6 +444,43 @@ def test_a_failure_reported_between_live_nodes_finds_the_host_that_died_elsewher
     assert "stage owners changed" in caplog.text
 
 
+def test_a_port_that_refuses_is_a_dead_node_at_once_a_silent_one_is_waited_for(tmp_path: Path):
+    """Two reachable nodes stop serving. Where nothing listens any more (a killed process) the
+    connection is refused and the node counts as dead without waiting for its heartbeats; where the
+    port still completes the TCP handshake but never answers (frozen, or a filter) the coordinator
+    still waits two heartbeat intervals (a minute each here: longer than the test allows)."""
+
+    async def scenario() -> tuple[bool, bool]:
+        async with contextlib.AsyncExitStack() as stack:
+            settings = CoordinatorSettings(heartbeat_interval_ms=60_000, probe_timeout_s=0.5)
+            service, stub = await serving_coordinator(stack, tmp_path, 2, settings)
+            joined, servers = {}, {}
+            for name in ("killed", "frozen"):
+                servers[name] = StageServer()
+                joined[name] = await stub.Join(
+                    join_request(name, await servers[name].__aenter__()), timeout=10
+                )
+                await servers[name].__aexit__(None, None, None)
+            node = {name: service.roster.nodes[reply.node_id] for name, reply in joined.items()}
+            assert all(n.reachable for n in node.values())
+            frozen = socket.socket()  # the frozen node's port: the kernel accepts, nobody answers
+            frozen.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            frozen.bind(("127.0.0.1", int(node["frozen"].address.rsplit(":", 1)[1])))
+            frozen.listen(8)
+            stack.callback(frozen.close)
+            answers = service.roster.answers
+            killed_answers = await asyncio.wait_for(answers(node["killed"], service.security), 5)
+            try:
+                await asyncio.wait_for(answers(node["frozen"], service.security), 3)
+                waited = False
+            except TimeoutError:
+                waited = True
+            return killed_answers, waited
+
+    killed_answers, waited_for_frozen = asyncio.run(asyncio.wait_for(scenario(), 30))
+    assert not killed_answers and waited_for_frozen
+
+
 def test_two_deaths_in_a_row_elsewhere_do_not_break_a_live_pair(tmp_path: Path):
     """Stage 0's host dies, then the standby that took its place: both times stage 2 reports its link
     to stage 1 broken (the step failed everywhere). The pair failed in two consecutive epochs, but
