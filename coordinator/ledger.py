@@ -15,6 +15,7 @@ import logging
 from collections.abc import Sequence
 
 from swarm.coordinator.assignment import Owners
+from swarm.coordinator.bulletin import Bulletin
 from swarm.coordinator.state import CheckpointRecord, CoordinatorState, RunRecord
 from swarm.coordinator.store import ArtifactStore
 
@@ -43,7 +44,8 @@ class Ledger:
         self.resume_step, self.restarts = run.resume_step, run.restarts
         self.checkpoints = {(r.step, r.stage): r for r in state.checkpoints()}
         self.dealt: list[dict[int, str]] = []  # per stage: microbatch -> the replica processing it
-        self.cut_requests = 0  # final cuts asked for by leaving nodes
+        self.cut_requests = 0  # cuts asked for (leaving nodes, replicas joining): see request_cut
+        self.news = Bulletin()  # held heartbeats wait on it: epochs, cut requests, the run's end
         self.from_own_states = False  # whether this epoch resumed from its hosts' own states
         self._cut_shown = -1  # the complete cut the checkpoint metrics describe
 
@@ -78,6 +80,12 @@ class Ledger:
         self.metrics.plan_epoch.set(self.plan_epoch)
         source = " from the hosts' own states" if after_own_step is not None else ""
         log.info("plan epoch %d (%s): resume at step %d%s", self.plan_epoch, reason, self.resume_step, source)
+        self.news.post()
+
+    def request_cut(self) -> None:
+        """Ask stage 0 to mark the next step it starts as a snapshot cut (nodes hear of it at once)."""
+        self.cut_requests += 1
+        self.news.post()
 
     def link_secret(self, boundary: int, up: str, down: str) -> str:
         """The secret of the link from ``up`` to ``down`` across ``boundary``, this epoch."""

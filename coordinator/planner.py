@@ -124,7 +124,7 @@ class Planner:
     def _await_cut_for_growth(self) -> None:
         if not self._growth_pending:
             self._growth_pending = True
-            self.ledger.cut_requests += 1
+            self.ledger.request_cut()
             log.info("standbys can join as replicas: a snapshot cut is requested, they join at it")
 
     def cut_completed(self, step: int) -> None:
@@ -188,7 +188,7 @@ class Planner:
         self.ledger.start_epoch(reason, progressed, after_own_step=after, planned=self._growing)
         self.progress.epoch_started(self.ledger.resume_step)
         if self._growth_pending:  # the cut asked for may have been lost with the epoch it was marked in
-            self.ledger.cut_requests += 1
+            self.ledger.request_cut()
 
     def heard(self, node: NodeRecord, request: coordinator_pb2.HeartbeatRequest) -> None:
         """Note a heartbeat. Its capacity and averaging address matter to replicas: standbys that can

@@ -96,6 +96,7 @@ class Progress:
             self.metrics.run_compression_ratio.set(rates.compression_ratio)
             if self.run_complete:
                 log.info("run complete: every stage finished step %d", self.completed)
+                self.ledger.news.post()
 
     def status(self, config_hash: str, since_step: int = 0) -> coordinator_pb2.StatusReply:
         """The run (of configuration ``config_hash``), its nodes and the completed steps >= ``since_step``."""

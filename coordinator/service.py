@@ -40,6 +40,7 @@ from pathlib import Path
 
 import grpc
 from swarm.coordinator.artifacts import Artifacts
+from swarm.coordinator.bulletin import MAX_HOLD_MS
 from swarm.coordinator.errors import Rejected
 from swarm.coordinator.export import artifact_store, default_model_dir
 from swarm.coordinator.gate import Gate, admit_operator_token
@@ -246,6 +247,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             return coordinator_pb2.HeartbeatReply(known=False, plan_epoch=self.ledger.plan_epoch)
         session = await self.gate.require_session(request.node_id, context)
         self.planner.heard(node, request)
+        await self._hold(request)
+        if self.roster.alive_node(request.node_id) is None:  # dropped while the reply was held
+            return coordinator_pb2.HeartbeatReply(known=False, plan_epoch=self.ledger.plan_epoch)
         reply = coordinator_pb2.HeartbeatReply(
             known=True,
             plan_epoch=self.ledger.plan_epoch,
@@ -257,6 +261,21 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if request.plan_epoch != self.ledger.plan_epoch:
             reply.plan.CopyFrom(self.planner.plan_for(node))
         return reply
+
+    async def _hold(self, request: coordinator_pb2.HeartbeatRequest) -> None:
+        """Hold a heartbeat's reply (long poll, up to ``request.hold_ms``) until there is news for it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + min(request.hold_ms, MAX_HOLD_MS) / 1000
+
+        def news() -> bool:
+            return (
+                request.plan_epoch != self.ledger.plan_epoch
+                or request.cut_requests != self.ledger.cut_requests
+                or request.run_complete != self.progress.run_complete
+            )
+
+        while not news() and (left := deadline - loop.time()) > 0:
+            await self.ledger.news.wait(left)
 
     async def Leave(self, request, context):
         await self.gate.require_session(request.node_id, context)
@@ -273,7 +292,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.gate.require_member(request.node_id, request.plan_epoch, context)
         except Rejected as e:
             await self.gate.refuse(context, e)
-        self.ledger.cut_requests += 1
+        self.ledger.request_cut()
         self.roster.leaving.add(request.node_id)
         return coordinator_pb2.CutAck()
 

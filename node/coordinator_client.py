@@ -173,10 +173,15 @@ class CoordinatorClient:
         self.subspace_version = subspace_version
         self.metrics.subspace_version.set(subspace_version)
 
-    async def heartbeat(self) -> None:
-        """One heartbeat now: report phase and progress, take in a new plan or the end of the run."""
+    async def heartbeat(self, hold: float = 0.0) -> bool:
+        """One heartbeat now: report phase and progress, take in a new plan, a cut request or the end
+        of the run; whether one came. ``hold``: the coordinator may keep the reply that many seconds
+        while it has no news for this node (long poll)."""
         epoch = self.plan.epoch if self.plan is not None else 0
         request = cpb.HeartbeatRequest(
+            hold_ms=round(hold * 1000),
+            cut_requests=self.cut_requests,
+            run_complete=self.run_complete,
             node_id=self.node_id,
             step=max(self.completed_step, 0),
             phase=self.phase,
@@ -201,13 +206,17 @@ class CoordinatorClient:
             self.cut_requests, changed = reply.cut_requests, True
         if changed:
             self._changed.set()
+        return changed
 
     async def _heartbeats(self, interval: float) -> None:
+        """Heartbeat about once per ``interval``, each held by the coordinator until news or the
+        interval's end; after news, again at once (a second change may follow within the interval)."""
         loop = asyncio.get_running_loop()
         last_ok = loop.time()
         while True:
+            sent, news = loop.time(), False
             try:
-                await self.heartbeat()
+                news = await self.heartbeat(hold=interval)
                 last_ok = loop.time()
             except Fenced:
                 return
@@ -218,11 +227,12 @@ class CoordinatorClient:
                         CoordinatorUnreachable(f"no heartbeat answered for {down:.0f}s ({e.code().name})")
                     )
                     return
-            await asyncio.sleep(interval)
+            if not news:
+                await asyncio.sleep(max(0.0, interval - (loop.time() - sent)))
 
     async def wait_change(self) -> None:
         """Until something changed since the last call returned: a plan, the end of the run, a cut
-        request, fencing or :meth:`notify` (heartbeats bring changes within one interval)."""
+        request, fencing or :meth:`notify` (held heartbeats bring changes within a round trip)."""
         await self._changed.wait()
         self._changed.clear()
         if self.fatal is not None:

@@ -562,6 +562,37 @@ def test_dead_node_stages_go_to_standby(tmp_path):
     run(scenario())
 
 
+def test_a_held_heartbeat_answers_at_news_and_otherwise_at_the_end_of_its_hold(tmp_path):
+    """Long poll: with nothing new for it, a heartbeat's reply waits out its hold; a new plan epoch
+    or a cut request answers every held heartbeat at once (a hold of a minute each, here, is cut
+    short within the test's few seconds); a node that knows of neither is answered at once."""
+
+    async def scenario() -> None:
+        async with coordinator(tmp_path / "state.sqlite", tiny_config(n_stages=2), dead_after_s=30) as h:
+            a = await h.join("a", address="127.0.0.1:7001")
+            b = await h.join("b", address="127.0.0.1:7002")
+            epoch = (await h.status()).plan_epoch
+            t0 = time.monotonic()
+            quiet = await h.heartbeat(a.node_id, epoch, hold_ms=300)
+            assert time.monotonic() - t0 >= 0.29 and not quiet.HasField("plan")
+            stale = await asyncio.wait_for(h.heartbeat(a.node_id, 0, hold_ms=60_000), 5)  # at once
+            assert stale.plan.epoch == epoch
+
+            held = asyncio.gather(*(h.heartbeat(n.node_id, epoch, hold_ms=60_000) for n in (a, b)))
+            await asyncio.sleep(0.3)
+            h.service.planner.new_epoch("a test's new epoch")
+            replies = await asyncio.wait_for(held, 5)
+            assert all(r.plan_epoch == epoch + 1 and r.plan.epoch == epoch + 1 for r in replies)
+
+            held = h.heartbeat(a.node_id, epoch + 1, hold_ms=60_000)
+            cut = asyncio.get_running_loop().call_later(0.3, h.service.ledger.request_cut)
+            reply = await asyncio.wait_for(held, 5)
+            assert reply.cut_requests == 1 and not reply.HasField("plan")
+            cut.cancel()
+
+    run(scenario())
+
+
 def test_step_reports_set_progress_and_loss(tmp_path):
     async def scenario() -> None:
         async with coordinator(tmp_path / "state.sqlite", tiny_config(n_stages=2)) as h:

@@ -153,7 +153,7 @@ class JoinReply(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ..., embedding_digest: _Optional[str] = ..., embedding_size: _Optional[int] = ..., subspace_version: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., session: _Optional[str] = ..., reachable: _Optional[bool] = ..., reachability: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "step", "phase", "plan_epoch", "tokens_per_second", "subspace_version", "averaging_address", "capacity_tokens_per_second")
+    __slots__ = ("node_id", "step", "phase", "plan_epoch", "tokens_per_second", "subspace_version", "averaging_address", "capacity_tokens_per_second", "hold_ms", "cut_requests", "run_complete")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -162,6 +162,9 @@ class HeartbeatRequest(_message.Message):
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
     AVERAGING_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_TOKENS_PER_SECOND_FIELD_NUMBER: _ClassVar[int]
+    HOLD_MS_FIELD_NUMBER: _ClassVar[int]
+    CUT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     step: int
     phase: NodePhase
@@ -170,7 +173,10 @@ class HeartbeatRequest(_message.Message):
     subspace_version: int
     averaging_address: str
     capacity_tokens_per_second: float
-    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., averaging_address: _Optional[str] = ..., capacity_tokens_per_second: _Optional[float] = ...) -> None: ...
+    hold_ms: int
+    cut_requests: int
+    run_complete: bool
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., averaging_address: _Optional[str] = ..., capacity_tokens_per_second: _Optional[float] = ..., hold_ms: _Optional[int] = ..., cut_requests: _Optional[int] = ..., run_complete: _Optional[bool] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
     __slots__ = ("known", "plan_epoch", "subspace_version", "plan", "run_complete", "cut_requests", "session")
