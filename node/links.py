@@ -37,6 +37,8 @@ log = logging.getLogger(__name__)
 SEND_QUEUE_MESSAGES = 4  # messages a boundary holds queued for sending before send() waits
 ERROR_SEND_S = 5.0  # an Error for the peer waits at most this long for room in the send queue
 CLOSE_FLUSH_S = 10.0  # tearing a link down waits at most this long for its queued messages to go out
+DIAL_RETRY_S = 0.3  # between attempts to open a boundary stream to an unreachable peer
+PLAN_RETRY_S = 0.05  # ... to a peer that answered from an older plan epoch (it is about to switch)
 
 Item = ActivationFrame | GradientFrame | BoundarySync
 Deliver = Callable[[Item], None]
@@ -387,7 +389,8 @@ async def dial(
             await channel.close()
             if loop.time() > deadline:
                 raise LinkError(f"boundary {boundary}: could not reach {address}: {e}", boundary) from None
-            await asyncio.sleep(0.3)
+            # a peer that has not taken in the new plan yet will have it within a heartbeat's round trip
+            await asyncio.sleep(PLAN_RETRY_S if isinstance(e, _NotYet) else DIAL_RETRY_S)
         except LinkError:
             await channel.close()
             raise

@@ -24,7 +24,10 @@ class Timeouts:
     connect_s: float = 60.0  # opening a boundary stream: dial retries, or waiting to be dialled
     step_s: float = 300.0  # a neighbour silent this long inside a step fails the step
     rotation_s: float = 600.0  # waiting for a subspace rotation the coordinator computes
-    failure_grace_s: float = 1.0  # after a broken boundary, wait this long for a new plan before reporting it
+    # After a broken boundary, wait this long for a new plan before reporting it: long enough for a
+    # plan the coordinator already started to arrive (held heartbeats bring it in a round trip), short
+    # because until someone reports, a killed neighbour is noticed only by its missed heartbeats.
+    failure_grace_s: float = 0.2
     unreachable_grace_s: float = 2.0  # stay joined this long after finding no way to a peer (it learns too)
     leave_s: float = 120.0  # graceful leave: longest wait for the final cut before leaving anyway
     dht_bootstrap_s: float = 5.0  # a DHT whose initial peers stay silent this long is skipped
