@@ -38,7 +38,7 @@ SEND_QUEUE_MESSAGES = 4  # messages a boundary holds queued for sending before s
 ERROR_SEND_S = 5.0  # an Error for the peer waits at most this long for room in the send queue
 CLOSE_FLUSH_S = 10.0  # tearing a link down waits at most this long for its queued messages to go out
 DIAL_RETRY_S = 0.3  # between attempts to open a boundary stream to an unreachable peer
-PLAN_RETRY_S = 0.05  # ... to a peer that answered from an older plan epoch (it is about to switch)
+PLAN_RETRY_S = 0.05  # first retry after a peer answered from an older plan epoch (it is about to switch)
 
 Item = ActivationFrame | GradientFrame | BoundarySync
 Deliver = Callable[[Item], None]
@@ -371,6 +371,7 @@ async def dial(
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout
+    not_yet = PLAN_RETRY_S
     while True:
         channel = open_channel(address, security, keepalive, peer.certificate or NODE_SERVER_NAME)
         try:
@@ -389,8 +390,13 @@ async def dial(
             await channel.close()
             if loop.time() > deadline:
                 raise LinkError(f"boundary {boundary}: could not reach {address}: {e}", boundary) from None
-            # a peer that has not taken in the new plan yet will have it within a heartbeat's round trip
-            await asyncio.sleep(PLAN_RETRY_S if isinstance(e, _NotYet) else DIAL_RETRY_S)
+            # A peer that has not taken in the new plan yet will have it within a heartbeat's round
+            # trip, unless it is still building its stages (a newcomer): back off to the usual pace.
+            if isinstance(e, _NotYet):
+                await asyncio.sleep(not_yet)
+                not_yet = min(2 * not_yet, DIAL_RETRY_S)
+            else:
+                await asyncio.sleep(DIAL_RETRY_S)
         except LinkError:
             await channel.close()
             raise

@@ -193,7 +193,8 @@ def test_a_replica_on_another_host_averages_across_the_emulated_links():
     step, both replicas report their averaging, and one replica alone averages nothing."""
     train = TrainConfig(steps=16, batch_size=4, seq_len=32, microbatches=2, lr=1e-2, warmup_steps=1)
     sync = ReplicaSyncConfig(mode="outer", every=4, format="int8", overlap=1)
-    plan = wan_replicas.WanReplicaPlan(MODEL_PRESETS["tiny"], train, slowdown=2.0, syncs=(sync,))
+    # stage 1 slow enough that the standby is measured and placed long before step 16
+    plan = wan_replicas.WanReplicaPlan(MODEL_PRESETS["tiny"], train, slowdown=8.0, syncs=(sync,))
     one, two = wan_replicas.run(plan)
     assert (one["mode"], two["mode"]) == ("1 replica", "2 replicas, outer H=4 int8 overlap 1")
     assert one["steps"] == two["steps"] == 16 and one["tokens_per_s"] > 0 < two["tokens_per_s"]
