@@ -115,8 +115,12 @@ def run(plan: PrecisionPlan, device: str = "auto") -> dict:
             for precision in ("fp32", "bf16"):
                 train = dataclasses.replace(plan.train, precision=precision, compile=compiled)
                 config = RunConfig(model=plan.model, train=train, n_stages=n_stages)
-                row = {"n_stages": n_stages, "boundaries": boundaries, "compiled": compiled}
-                row["precision"] = precision
+                row = {
+                    "n_stages": n_stages,
+                    "boundaries": boundaries,
+                    "compiled": compiled,
+                    "precision": precision,
+                }
                 row |= measure(config, dev, plan.warmup_steps, plan.steps, frames=boundaries == "serialised")
                 row["model_tflops_per_s"] = row["tokens_per_s"] * per_token / 1e12
                 row["mfu"] = row["tokens_per_s"] * per_token / peak if peak else None

@@ -36,11 +36,15 @@ from swarm.runtime.wire import ActivationFrame, CarriedActivation, CarriedGradie
 def _build_stage(
     config: RunConfig, start: int, end: int, fixed_embedding: torch.Tensor, basis: torch.Tensor | None
 ) -> torch.nn.Module:
-    """The stage's layers: real ones, or a compute-emulated stand-in when the run names a profile."""
+    """The stage's layers: real ones (compiled when the run says so), or a compute-emulated stand-in
+    when the run names a profile."""
     if config.emulation.profile:
         profile = load_profile(config.emulation.profile)
         return EmulatedStage(config, start, end, fixed_embedding, basis, profile)
-    return Stage(config.model, start, end, fixed_embedding, basis, config.train.seed)
+    stage = Stage(config.model, start, end, fixed_embedding, basis, config.train.seed)
+    if config.train.compile:
+        stage.compile_layers()
+    return stage
 
 
 @dataclass
@@ -90,8 +94,6 @@ class StageWorker:
         check_master_dtype(config.train.precision, dtype)
         start, end = stage_layer_ranges(config.model.n_layers, config.n_stages)[index]
         self.stage = _build_stage(config, start, end, fixed_embedding, basis).to(device, dtype)
-        if config.train.compile and isinstance(self.stage, Stage):
-            self.stage.compile_layers()
         # The codec's basis: the stage's own buffer when the model is constrained (rotations
         # then move both together), a private copy when it only serves the codec.
         self.basis = self.stage.basis
