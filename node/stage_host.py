@@ -48,17 +48,18 @@ class Checkpointer:
 
     def __init__(self, store: checkpoint.SnapshotStore, client: CoordinatorClient, metrics: Metrics):
         self.store, self.client, self.metrics = store, client, metrics
-        self._queue: asyncio.Queue[tuple[int, list[dict]]] = asyncio.Queue(maxsize=1)
+        self._queue: asyncio.Queue[tuple[int, list[dict], float]] = asyncio.Queue(maxsize=1)
         self._task = asyncio.create_task(self._drain())
 
-    def submit(self, epoch: int, states: list[dict]) -> None:
+    def submit(self, epoch: int, states: list[dict], pause_s: float) -> None:
+        """Save host-memory captures of one cut, taken while training stood still ``pause_s`` seconds."""
         if self._queue.full():
-            _, skipped = self._queue.get_nowait()
+            _, skipped, _ = self._queue.get_nowait()
             self._queue.task_done()
             log.warning(
                 "snapshot cut after step %d skipped: the previous one is still uploading", skipped[0]["step"]
             )
-        self._queue.put_nowait((epoch, states))
+        self._queue.put_nowait((epoch, states, pause_s))
 
     async def flush(self) -> None:
         await self._queue.join()
@@ -70,16 +71,16 @@ class Checkpointer:
 
     async def _drain(self) -> None:
         while True:
-            epoch, states = await self._queue.get()
+            epoch, states, pause_s = await self._queue.get()
             try:
                 for state in states:
-                    await self._save(epoch, state)
+                    await self._save(epoch, state, pause_s)
             except Exception as e:  # a failed upload costs this cut only; the next cut tries again
                 log.error("snapshot not saved: %s", e)
             finally:
                 self._queue.task_done()
 
-    async def _save(self, epoch: int, state: dict) -> None:
+    async def _save(self, epoch: int, state: dict, pause_s: float) -> None:
         stage, step = state["stage"], state["step"]
         data = await asyncio.to_thread(checkpoint.to_bytes, state)
         saved = await asyncio.to_thread(self.store.write, stage, step, data)
@@ -92,7 +93,10 @@ class Checkpointer:
             "ReportCheckpoint",
             cpb.CheckpointReport(node_id=self.client.node_id, plan_epoch=epoch, checkpoint=ref),
         )
-        say(f"snapshot of stage {stage} after step {step}: {len(data)} bytes, uploaded in {seconds:.2f} s")
+        say(
+            f"snapshot of stage {stage} after step {step}: {len(data)} bytes, training paused "
+            f"{pause_s * 1000:.1f} ms for the copy, uploaded in {seconds:.2f} s"
+        )
 
 
 def connect_local(up: StageRunner, down: StageRunner, node_id: str) -> None:
@@ -276,11 +280,13 @@ class StageHost:
                     return False
             mark = 0 in self.runners and take_cut_request()
             results = await asyncio.gather(*(r.run_step(step, mark) for r in self.runners.values()))
-            states = None
+            states, pause = None, 0.0
             if self.own is not None:
                 # Kept before the step is reported, with no await in between: an epoch that resumes
                 # after this step (its completion known from these reports) finds it here.
+                started = time.perf_counter()
                 states = self._capture(step)
+                pause = self._paused("own", started)
                 for state in states:
                     self.own.put(state)
             for outcome in results:
@@ -293,10 +299,12 @@ class StageHost:
             self.client.progress(step, tokens / seconds if seconds > 0 else 0.0, version, capacity)
             if any(o.cut for o in results) or self.config.checkpoint.is_cut(step, steps):
                 if states is None:
+                    started = time.perf_counter()
                     states = await asyncio.to_thread(self._capture, step)
+                    pause = self._paused("cut", started)
                 led = [state for state in states if state["stage"] in self.leads]
                 if led:
-                    self.checkpointer.submit(epoch, led)
+                    self.checkpointer.submit(epoch, led, pause)
                 self.last_cut = step
                 if leaving.is_set():
                     return False
@@ -313,6 +321,12 @@ class StageHost:
             for s, r in self.runners.items()
             if stages is None or s in stages
         ]
+
+    def _paused(self, kind: str, started: float) -> float:
+        """Record how long training stood still for a capture begun at ``started``; the seconds."""
+        seconds = time.perf_counter() - started
+        self.metrics.snapshot_pause.labels(kind=kind).observe(seconds)
+        return seconds
 
     def _statistic_due(self, step: int) -> bool:
         """Whether the boundary statistic is reported after ``step`` (the rotation interval's end)."""

@@ -9,8 +9,9 @@ next step computes what it would have computed without the interruption, bit for
 the same machine. The frozen token embedding is not in it (every stage regenerates or
 fetches it once).
 
-:func:`capture` only copies tensors (cheap, between two steps); :func:`to_bytes` does
-the serialisation and can run off the hot path. :class:`SnapshotStore` keeps a node's
+:func:`capture` only copies tensors to host memory (pinned on CUDA; the one part that pauses
+training, between two steps); :func:`to_bytes` does the serialisation and runs off the hot
+path. :class:`SnapshotStore` keeps a node's
 snapshots on disk: atomic writes (temp file, fsync, rename), named by their sha256 and
 verified on every read.
 """
@@ -43,14 +44,27 @@ _NAME = re.compile(r"^stage(\d+)-step(\d+)-([0-9a-f]{64})\.snap$")
 
 def copied(obj: Any, device: torch.device | str = "cpu") -> Any:
     """A copy of ``obj`` (a capture, or any part of one) with every tensor copied to ``device``
-    (host memory by default: a GPU holds no extra snapshot)."""
+    (host memory by default: a GPU holds no extra snapshot).
+
+    A CUDA tensor bound for the host goes into pinned memory without blocking: call
+    :func:`settled` before reading the copy (:func:`capture` does).
+    """
     if isinstance(obj, torch.Tensor):
+        if obj.is_cuda and torch.device(device).type == "cpu":
+            host = torch.empty(obj.shape, dtype=obj.dtype, pin_memory=True)
+            return host.copy_(obj.detach(), non_blocking=True)
         return obj.detach().to(device, copy=True)
     if isinstance(obj, dict):
         return {k: copied(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
         return type(obj)(copied(v, device) for v in obj)
     return copy.copy(obj)
+
+
+def settled(device: torch.device) -> None:
+    """Wait for the copies :func:`copied` started from ``device`` (a no-op off CUDA)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 def _codebook_formats(worker: StageWorker) -> dict[str, ResidualVQ]:
@@ -60,7 +74,7 @@ def _codebook_formats(worker: StageWorker) -> dict[str, ResidualVQ]:
 def capture(worker: StageWorker, step: int, sampler: BatchSampler | None = None) -> dict[str, Any]:
     """The state of ``worker`` after optimizer step ``step`` (tensors copied to host memory)."""
     stat = worker.statistic
-    return {
+    state = {
         "format": SNAPSHOT_FORMAT,
         "config_hash": config_hash(worker.config),
         "stage": worker.index,
@@ -85,6 +99,8 @@ def capture(worker: StageWorker, step: int, sampler: BatchSampler | None = None)
         "sampler": None if sampler is None else sampler.state_dict(),
         "outer": None if worker.outer is None else worker.outer.state_dict(),
     }
+    settled(worker.device)
+    return state
 
 
 def to_bytes(state: dict[str, Any]) -> bytes:

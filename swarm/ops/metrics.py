@@ -153,6 +153,14 @@ class Metrics:
             "swarm_epoch_restarts", "Times this node rebuilt its stages for a new plan epoch", registry=r
         )
         self.phase = Gauge("swarm_node_phase", "Node phase (the NodePhase enum value)", registry=r)
+        self.snapshot_pause = Histogram(
+            "swarm_snapshot_pause_seconds",
+            "Training stood still while a stage's state was copied to host memory: at a cut (cut), "
+            "after every step of a replicated run (own)",
+            ["kind"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
         self.checkpoint_bytes = Counter(
             "swarm_checkpoint_uploaded_bytes", "Snapshot bytes uploaded to the coordinator", registry=r
         )
