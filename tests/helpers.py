@@ -16,9 +16,10 @@ def tiny_config(
     constrain: bool = True,
     forward_format: str = "fp32",
     backward_format: str = "fp32",
+    parametrisation: str = "standard",
     **train,
 ) -> RunConfig:
-    """A 4-layer d=32 model small enough for exactness tests in fp64."""
+    """A 4-layer d=32 model small enough for exactness tests in fp64 (muP's base width: 16)."""
     model = ModelConfig(
         vocab_size=97,
         d_model=32,
@@ -28,6 +29,8 @@ def tiny_config(
         max_seq_len=32,
         subspace_rank=rank,
         constrain_writes=constrain,
+        parametrisation=parametrisation,
+        base_width=16,
     )
     codec = CodecConfig(
         kind=kind, forward_format=forward_format, backward_format=backward_format, mapl_rank=8

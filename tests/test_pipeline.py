@@ -45,11 +45,12 @@ def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max(((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)).item() for n in a)
 
 
+@pytest.mark.parametrize("parametrisation", ["standard", "mup"])
 @pytest.mark.parametrize(
     ("dtype", "fmt", "tolerance"), [(torch.float32, "fp32", 1e-5), (torch.float64, "fp64", 1e-10)]
 )
-def test_compressed_pipeline_gradients_equal_single_process(dtype, fmt, tolerance):
-    config = tiny_config(forward_format=fmt, backward_format=fmt)
+def test_compressed_pipeline_gradients_equal_single_process(dtype, fmt, tolerance, parametrisation):
+    config = tiny_config(forward_format=fmt, backward_format=fmt, parametrisation=parametrisation)
     ids = random_batch(config)
     ref_loss, ref = reference_gradients(config, ids, dtype)
     loss, got = pipeline_gradients(config, ids, dtype)

@@ -17,6 +17,7 @@ from typing import Any, Literal
 from swarm.core.profiles import load_profile
 
 Compression = Literal["none", "subspace", "mapl"]
+PARAMETRISATIONS = ("standard", "mup")
 
 
 @dataclass
@@ -44,8 +45,18 @@ class ModelConfig:
     subspace_rank: int = 32
     constrain_writes: bool = True
     full_rank_layers: int = 0
+    # How init scales and learning rates follow the width (swarm.core.width): "standard", or
+    # "mup", whose hyperparameters tuned at d_model = base_width carry over to other widths.
+    parametrisation: str = "standard"
+    base_width: int = 128
 
     def __post_init__(self) -> None:
+        if self.parametrisation not in PARAMETRISATIONS:
+            raise ValueError(
+                f"model.parametrisation={self.parametrisation!r} must be one of {PARAMETRISATIONS}"
+            )
+        if self.base_width < 1:
+            raise ValueError(f"model.base_width={self.base_width} must be >= 1")
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ValueError(f"d_model={self.d_model} must split into {self.n_heads} heads of even size")
         if not 0 <= self.subspace_rank <= self.d_model:

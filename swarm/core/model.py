@@ -36,6 +36,7 @@ from torch import nn
 
 from swarm.core.config import ModelConfig
 from swarm.core.precision import basis_product
+from swarm.core.width import parameter_scale
 
 
 class RMSNorm(nn.Module):
@@ -272,30 +273,58 @@ def init_parameters(stage: Stage, seed: int) -> None:
     """Initialise every parameter from a generator seeded by (run seed, global parameter name).
 
     Names carry global layer indices, so a stage initialises exactly like the same
-    layers of the full model: nodes need no initial weights, only the seed.
+    layers of the full model: nodes need no initial weights, only the seed. Scales follow the
+    model's parametrisation (:mod:`swarm.core.width`).
     """
-    std = stage.config.init_std
-    write_std = std / math.sqrt(2 * stage.config.n_layers)
+    config = stage.config
+    write_std = config.init_std / math.sqrt(2 * config.n_layers)
     with torch.no_grad():
         for name, p in stage.named_parameters():
             gen = torch.Generator().manual_seed(name_seed(seed, name))
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name == "embed.low":
-                p.zero_()
-            else:
-                sigma = write_std if isinstance(_owner(stage, name), ResidualWrite) else std
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * sigma)
+            kind, rank = parameter_kind(stage, name)
+            if kind in ("vector", "embedding"):  # norms start at one, the trainable embedding at zero
+                p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
+                continue
+            sigma = (write_std if kind == "write" else config.init_std) * parameter_scale(
+                config, kind, rank
+            ).init
+            p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * sigma)
+
+
+def parameter_kind(stage: Stage, name: str) -> tuple[str, int]:
+    """What parameter ``name`` of ``stage`` is, for :func:`swarm.core.width.parameter_scale`, and
+    the rank of the basis it lives in (the run's first rank; 0: not constrained)."""
+    config = stage.config
+    if name == "embed.low":
+        return "embedding", config.subspace_rank if config.constrained else 0
+    if name == "head.weight":
+        return "head", 0
+    if name.endswith("norm.weight"):
+        return "vector", 0
+    owner = _owner(stage, name)
+    if isinstance(owner, ResidualWrite):
+        return "write", config.subspace_rank if owner.rank else 0
+    return "hidden", 0
+
+
+def lr_multipliers(stage: Stage) -> dict[str, float]:
+    """Each parameter's learning-rate multiplier under the model's parametrisation, by name."""
+    return {
+        name: parameter_scale(stage.config, *parameter_kind(stage, name)).lr
+        for name, _ in stage.named_parameters()
+    }
 
 
 def _owner(module: nn.Module, param_name: str) -> nn.Module:
     return module.get_submodule(param_name.rpartition(".")[0])
 
 
-def fixed_embedding(vocab_size: int, d_model: int, seed: int) -> torch.Tensor:
-    """The frozen full-rank token embedding ``E_fixed`` (V x d, rows of expected unit norm)."""
+def fixed_embedding(vocab_size: int, d_model: int, seed: int, norm_width: int | None = None) -> torch.Tensor:
+    """The frozen full-rank token embedding ``E_fixed`` (V x d), entries of std ``1/sqrt(norm_width)``
+    (default ``d``: rows of expected unit norm; see :func:`swarm.core.width.fixed_embedding_width`)."""
     gen = torch.Generator().manual_seed(name_seed(seed, "fixed_embedding"))
-    return (torch.randn(vocab_size, d_model, generator=gen, dtype=torch.float64) / math.sqrt(d_model)).float()
+    table = torch.randn(vocab_size, d_model, generator=gen, dtype=torch.float64)
+    return (table / math.sqrt(norm_width or d_model)).float()
 
 
 def tensor_digest(t: torch.Tensor) -> str:

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from swarm.core.config import TrainConfig
+from swarm.core.model import Stage, lr_multipliers
 
 
 def tangent_projection(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -134,24 +135,33 @@ class StageOptimizer:
 
 
 def build_optimizer(modules: list[nn.Module], config: TrainConfig) -> StageOptimizer:
-    """AdamW (decay on matrices only) for Euclidean parameters; for ``stiefel`` ones, the Stiefel
-    optimizer ``config.stiefel_optimizer`` names, at ``config.stiefel_lr`` (both scale steps per entry)."""
-    decay, no_decay, stiefel = [], [], []
+    """AdamW (decay on matrices only) for Euclidean parameters, one group per decay and lr multiplier
+    (:func:`swarm.core.model.lr_multipliers`: the model's parametrisation); for ``stiefel`` ones, the
+    Stiefel optimizer ``config.stiefel_optimizer`` names, at ``config.stiefel_lr`` (both scale steps
+    per entry)."""
+    groups: dict[tuple[bool, float], list[nn.Parameter]] = {}
+    stiefel = []
     for module in modules:
+        multipliers = lr_multipliers(module) if isinstance(module, Stage) else {}
         for name, p in module.named_parameters():
             if getattr(p, "stiefel", False):
                 stiefel.append(p)
-            elif p.dim() < 2 or name.endswith("embed.low"):
-                no_decay.append(p)
-            else:
-                decay.append(p)
+                continue
+            decays = p.dim() >= 2 and not name.endswith("embed.low")
+            groups.setdefault((decays, multipliers.get(name, 1.0)), []).append(p)
     adamw = None
-    if decay or no_decay:
-        groups = [
-            {"params": decay, "weight_decay": config.weight_decay, "base_lr": config.lr},
-            {"params": no_decay, "weight_decay": 0.0, "base_lr": config.lr},
+    if groups:
+        param_groups = [
+            {
+                "params": params,
+                "weight_decay": config.weight_decay if decays else 0.0,
+                "base_lr": config.lr * mult,
+            }
+            for (decays, mult), params in sorted(
+                groups.items(), key=lambda item: (not item[0][0], item[0][1])
+            )
         ]
-        adamw = torch.optim.AdamW([g for g in groups if g["params"]], lr=config.lr, betas=(0.9, 0.95))
+        adamw = torch.optim.AdamW(param_groups, lr=config.lr, betas=(0.9, 0.95))
     riemannian = None
     if stiefel:
         kind = _STIEFEL_CLASSES[config.stiefel_optimizer]

@@ -27,6 +27,7 @@ import torch
 from swarm.codecs.base import PayloadError
 from swarm.core.config import RotationConfig, RunConfig
 from swarm.core.model import ResidualWrite, Stage, fixed_embedding, name_seed
+from swarm.core.width import fixed_embedding_width
 
 
 def random_basis(d: int, k: int, seed: int) -> torch.Tensor:
@@ -296,4 +297,5 @@ def initial_basis(config: RunConfig) -> torch.Tensor | None:
 def initial_artifacts(config: RunConfig) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The frozen token embedding and the version-0 basis every stage of a run starts from."""
     m = config.model
-    return fixed_embedding(m.vocab_size, m.d_model, config.train.seed), initial_basis(config)
+    fixed = fixed_embedding(m.vocab_size, m.d_model, config.train.seed, fixed_embedding_width(m))
+    return fixed, initial_basis(config)

@@ -1,0 +1,80 @@
+"""How initial scales and learning rates follow the model's width: the parametrisation.
+
+Two parametrisations, the same dense model at ``d_model == base_width`` (a constrained one differs
+there only by the rank factor ``s`` below):
+
+* ``standard``: every matrix starts at ``init_std`` (residual writes ``init_std / sqrt(2L)``),
+  every group trains at ``lr``, the fixed embedding's rows have unit norm. What the project
+  used before widths were compared; hyperparameters tuned at one width do not carry over.
+* ``mup`` (muP for Adam, Tensor Programs V, with ``m = d_model / base_width``):
+
+  ============================  ==========================  ==========================
+  parameter                     initial std                 AdamW lr
+  ============================  ==========================  ==========================
+  hidden (qkv, gate_up)         ``std / sqrt(m)``           ``lr / m``
+  residual write (dense)        ``write_std / sqrt(m)``     ``lr / m``
+  residual write ``W'`` (k x in) ``write_std / sqrt(m) * s`` ``lr / m * s``
+  trainable embedding ``C``     0                           ``lr * s``
+  LM head                       ``std / m``                 ``lr / m``
+  norms, dense embedding        as standard                 ``lr``
+  fixed embedding               entries ``1/sqrt(base)``    (frozen)
+  ============================  ==========================  ==========================
+
+  ``s = sqrt(d/k)`` (1 for dense writes): a constrained write reaches the residual stream
+  through ``U`` (d x k, orthonormal), so with the same per-entry scale its output and an
+  AdamW step on it would move the residual stream by ``sqrt(k)`` where a dense write moves
+  it by ``sqrt(d)``; ``s`` restores the dense write's norm at every width and rank. The
+  fixed embedding keeps its per-coordinate scale (so its share of the residual stream does
+  not fade against the writes as ``d`` grows). Fan-ins (``d`` and ``d_ff``) grow with ``d``,
+  so one ``m`` serves both. The head count grows with ``d`` at a fixed head size, so the
+  attention scale needs no change.
+
+Scales only: the subspace property, exact gradients and rotations do not depend on them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from swarm.core.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class Scale:
+    """Multipliers of one parameter: of the base init std and of the base learning rate."""
+
+    init: float
+    lr: float
+
+
+def width_multiplier(model: ModelConfig) -> float:
+    """``m = d_model / base_width`` under muP; 1 under the standard parametrisation."""
+    return model.d_model / model.base_width if model.parametrisation == "mup" else 1.0
+
+
+def subspace_factor(model: ModelConfig, rank: int) -> float:
+    """``sqrt(d/k)`` for a constrained write or embedding of rank ``k`` under muP, else 1."""
+    return math.sqrt(model.d_model / rank) if model.parametrisation == "mup" and rank else 1.0
+
+
+def parameter_scale(model: ModelConfig, kind: str, rank: int = 0) -> Scale:
+    """The multipliers of a parameter of ``kind`` (``hidden``, ``write``, ``embedding``, ``head``,
+    ``vector``); ``rank``: the width of its basis when it is a constrained write or embedding."""
+    m = width_multiplier(model)
+    s = subspace_factor(model, rank)
+    if kind in ("hidden", "write"):
+        return Scale(s / math.sqrt(m), s / m)
+    if kind == "head":
+        return Scale(1 / m, 1 / m)
+    if kind == "embedding":
+        return Scale(1.0, s)
+    if kind == "vector":
+        return Scale(1.0, 1.0)
+    raise ValueError(f"unknown parameter kind {kind!r}")
+
+
+def fixed_embedding_width(model: ModelConfig) -> int:
+    """The frozen embedding's entries have std ``1/sqrt(this)``: ``base_width`` under muP (a constant
+    per-coordinate scale), ``d_model`` under the standard parametrisation (rows of unit norm)."""
+    return model.base_width if model.parametrisation == "mup" else model.d_model
