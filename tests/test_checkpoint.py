@@ -17,12 +17,17 @@ def batches(config, n: int, start: int = 0) -> list[torch.Tensor]:
 
 
 @pytest.mark.parametrize(
-    ("kind", "fwd", "rank"),
-    [("subspace", "bf16", 8), ("mapl", "rvq", 0), ("identity", "fp32", 0)],
-    ids=["subspace", "mapl-rvq", "identity"],
+    ("kind", "fwd", "rank", "extra"),
+    [
+        ("subspace", "bf16", 8, {}),
+        ("subspace", "bf16", 8, {"optimizer": "muon", "parametrisation": "mup"}),
+        ("mapl", "rvq", 0, {}),
+        ("identity", "fp32", 0, {}),
+    ],
+    ids=["subspace", "subspace-muon-mup", "mapl-rvq", "identity"],
 )
-def test_restored_pipeline_continues_bit_for_bit(kind, fwd, rank):
-    config = tiny_config(kind, rank=rank, forward_format=fwd, backward_format="fp32", warmup_steps=2)
+def test_restored_pipeline_continues_bit_for_bit(kind, fwd, rank, extra):
+    config = tiny_config(kind, rank=rank, forward_format=fwd, backward_format="fp32", warmup_steps=2, **extra)
     first = LocalPipeline(config)
     for step, ids in enumerate(batches(config, 3)):
         first.train_step(step, ids)

@@ -110,7 +110,9 @@ def test_growing_a_stage_changes_no_output():
         before = worker.stage(ids)
         grown = grow_basis(worker.stage.basis.double(), torch.zeros(32, K0, dtype=torch.float64), 4, seed=1)
         rotate_stage(worker.stage, grown, worker.optimizer.adamw)
-        assert torch.equal(worker.stage(ids), before)
+        # Zero rows change no output; a product over k + 4 columns may round differently (BLAS
+        # blocking: 1.4e-7 relative on some CPUs), so equality is to fp32 rounding.
+        torch.testing.assert_close(worker.stage(ids), before, rtol=1e-6, atol=1e-6)
     assert worker.stage.embed.low.shape == (config.model.vocab_size, K0 + 4)
     moments = worker.optimizer.adamw.state[worker.stage.embed.low]
     assert moments["exp_avg"].shape == worker.stage.embed.low.shape

@@ -36,9 +36,11 @@ def principal_angles(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.arccos(torch.linalg.svdvals(a.double().T @ b.double()).clamp(-1, 1))
 
 
-@pytest.mark.parametrize("parametrisation", ["standard", "mup"])
-def test_constraint_holds_after_100_steps_and_rotations(parametrisation):
-    config = tiny_config(lr=1e-2, parametrisation=parametrisation)
+@pytest.mark.parametrize(
+    ("parametrisation", "optimizer"), [("standard", "adamw"), ("mup", "adamw"), ("mup", "muon")]
+)
+def test_constraint_holds_after_100_steps_and_rotations(parametrisation, optimizer):
+    config = tiny_config(lr=1e-2, parametrisation=parametrisation, optimizer=optimizer)
     config.rotation.interval, config.rotation.max_angle = 25, 0.2
     pipe = LocalPipeline(config)
     rotations = 0

@@ -206,6 +206,9 @@ class TrainConfig:
     # MAPL projections' optimizer: "sgd" (StiefelSGD) or "adam" (StiefelAdam); both take stiefel_lr
     # as the per-entry step size (Adam's steps shrink below it when gradients disagree).
     stiefel_optimizer: str = "sgd"
+    # The layers' matrices: "adamw", or "muon" (torch.optim.Muon, update RMS matched to AdamW's, so
+    # the same lr); embeddings, head and norms always take AdamW.
+    optimizer: str = "adamw"
     eval_every: int = 50
     seed: int = 0
     schedule: str = "gpipe"  # microbatch order per stage: "gpipe" or "1f1b" (PipeDream-flush)
@@ -227,6 +230,8 @@ class TrainConfig:
             raise ValueError(f"train.schedule={self.schedule!r} must be one of {SCHEDULES}")
         if self.precision not in PRECISIONS:
             raise ValueError(f"train.precision={self.precision!r} must be one of {PRECISIONS}")
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"train.optimizer={self.optimizer!r} must be one of {OPTIMIZERS}")
         if self.stiefel_optimizer not in STIEFEL_OPTIMIZERS:
             raise ValueError(
                 f"train.stiefel_optimizer={self.stiefel_optimizer!r} must be one of {STIEFEL_OPTIMIZERS}"
@@ -236,6 +241,7 @@ class TrainConfig:
 SCHEDULES = ("gpipe", "1f1b")
 PRECISIONS = ("fp32", "bf16")
 STIEFEL_OPTIMIZERS = ("sgd", "adam")
+OPTIMIZERS = ("adamw", "muon")
 
 
 @dataclass

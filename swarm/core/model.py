@@ -307,6 +307,11 @@ def parameter_kind(stage: Stage, name: str) -> tuple[str, int]:
     return "hidden", 0
 
 
+def parameter_kinds(stage: Stage) -> dict[str, str]:
+    """Each parameter's kind (:func:`parameter_kind`), by name."""
+    return {name: parameter_kind(stage, name)[0] for name, _ in stage.named_parameters()}
+
+
 def lr_multipliers(stage: Stage) -> dict[str, float]:
     """Each parameter's learning-rate multiplier under the model's parametrisation, by name."""
     return {

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from swarm.core.config import TrainConfig
-from swarm.core.model import Stage, lr_multipliers
+from swarm.core.model import Stage, lr_multipliers, parameter_kinds
 
 
 def tangent_projection(a: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
@@ -105,10 +105,17 @@ class StageOptimizer:
     adamw: torch.optim.AdamW | None
     stiefel: StiefelSGD | StiefelAdam | None
     config: TrainConfig
+    muon: torch.optim.Muon | None = None  # the layers' matrices when ``train.optimizer == "muon"``
 
     @property
     def optimizers(self) -> list[torch.optim.Optimizer]:
-        return [o for o in (self.adamw, self.stiefel) if o is not None]
+        """Every optimizer, in the order snapshots store their states."""
+        return [o for o in (self.adamw, self.muon, self.stiefel) if o is not None]
+
+    @property
+    def state(self) -> dict:
+        """The per-parameter state of the Euclidean optimizers (what a subspace rotation transforms)."""
+        return {p: s for o in (self.adamw, self.muon) if o is not None for p, s in o.state.items()}
 
     def lr_at(self, step: int) -> float:
         """Linear warm-up, then cosine decay to ``min_lr_ratio``: the factor applied to each base lr."""
@@ -135,35 +142,41 @@ class StageOptimizer:
 
 
 def build_optimizer(modules: list[nn.Module], config: TrainConfig) -> StageOptimizer:
-    """AdamW (decay on matrices only) for Euclidean parameters, one group per decay and lr multiplier
-    (:func:`swarm.core.model.lr_multipliers`: the model's parametrisation); for ``stiefel`` ones, the
-    Stiefel optimizer ``config.stiefel_optimizer`` names, at ``config.stiefel_lr`` (both scale steps
-    per entry)."""
-    groups: dict[tuple[bool, float], list[nn.Parameter]] = {}
+    """Per-group learning rates follow the model's parametrisation (:func:`swarm.core.model.lr_multipliers`),
+    one group per optimizer, decay and multiplier. AdamW (decay on matrices only) for Euclidean
+    parameters, except, with ``train.optimizer == "muon"``, the layers' matrices (attention, MLP,
+    residual writes ``W'``): torch's Muon with its update scaled to AdamW's RMS, so the same lr and
+    multipliers apply. ``stiefel`` parameters take ``config.stiefel_optimizer`` at ``config.stiefel_lr``."""
+    groups: dict[tuple[str, bool, float], list[nn.Parameter]] = {}
     stiefel = []
     for module in modules:
+        kinds = parameter_kinds(module) if isinstance(module, Stage) else {}
         multipliers = lr_multipliers(module) if isinstance(module, Stage) else {}
         for name, p in module.named_parameters():
             if getattr(p, "stiefel", False):
                 stiefel.append(p)
                 continue
             decays = p.dim() >= 2 and not name.endswith("embed.low")
-            groups.setdefault((decays, multipliers.get(name, 1.0)), []).append(p)
-    adamw = None
-    if groups:
-        param_groups = [
+            muon = config.optimizer == "muon" and kinds.get(name) in ("hidden", "write")
+            groups.setdefault(("muon" if muon else "adamw", decays, multipliers.get(name, 1.0)), []).append(p)
+
+    def param_groups(kind: str) -> list[dict]:
+        chosen = sorted((key for key in groups if key[0] == kind), key=lambda key: (not key[1], key[2]))
+        return [
             {
-                "params": params,
-                "weight_decay": config.weight_decay if decays else 0.0,
-                "base_lr": config.lr * mult,
+                "params": groups[key],
+                "weight_decay": config.weight_decay if key[1] else 0.0,
+                "base_lr": config.lr * key[2],
             }
-            for (decays, mult), params in sorted(
-                groups.items(), key=lambda item: (not item[0][0], item[0][1])
-            )
+            for key in chosen
         ]
-        adamw = torch.optim.AdamW(param_groups, lr=config.lr, betas=(0.9, 0.95))
-    riemannian = None
+
+    adamw = muon = riemannian = None
+    if param_groups("adamw"):
+        adamw = torch.optim.AdamW(param_groups("adamw"), lr=config.lr, betas=(0.9, 0.95))
+    if param_groups("muon"):
+        muon = torch.optim.Muon(param_groups("muon"), lr=config.lr, adjust_lr_fn="match_rms_adamw")
     if stiefel:
         kind = _STIEFEL_CLASSES[config.stiefel_optimizer]
         riemannian = kind([{"params": stiefel, "base_lr": config.stiefel_lr}], lr=config.stiefel_lr)
-    return StageOptimizer(adamw, riemannian, config)
+    return StageOptimizer(adamw, riemannian, config, muon)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,6 +29,9 @@ from swarm.codecs.base import PayloadError
 from swarm.core.config import RotationConfig, RunConfig
 from swarm.core.model import ResidualWrite, Stage, fixed_embedding, name_seed
 from swarm.core.width import fixed_embedding_width
+
+if TYPE_CHECKING:
+    from swarm.core.optim import StageOptimizer
 
 
 def random_basis(d: int, k: int, seed: int) -> torch.Tensor:
@@ -174,9 +178,12 @@ class SubspaceRotation:
 
 
 def _rotate_adam_state(state: dict, transform, transform_sq) -> None:
+    """AdamW's moments (first like the parameter, second through squares), or Muon's momentum."""
     if "exp_avg" in state:
         state["exp_avg"] = transform(state["exp_avg"]).contiguous()
         state["exp_avg_sq"] = transform_sq(state["exp_avg_sq"]).clamp_min(0).contiguous()
+    if "momentum_buffer" in state:
+        state["momentum_buffer"] = transform(state["momentum_buffer"]).contiguous()
 
 
 def _replace(tensor: torch.Tensor, value: torch.Tensor) -> None:
@@ -192,12 +199,12 @@ def _replace(tensor: torch.Tensor, value: torch.Tensor) -> None:
 
 @torch.no_grad()
 def rotate_stage(
-    stage: Stage, new_basis: torch.Tensor, optimizer: torch.optim.Optimizer | None = None
+    stage: Stage, new_basis: torch.Tensor, optimizer: torch.optim.Optimizer | StageOptimizer | None = None
 ) -> None:
     """Switch ``stage`` to ``new_basis``: ``W' <- R^T W'`` and ``C <- C R`` with ``R = U^T U'``.
 
     This is ``W <- W P'`` (the part of each row outside the new subspace is dropped).
-    AdamW's first moment is transformed exactly like its parameter; the second moment,
+    AdamW's first moment (and Muon's momentum) is transformed exactly like its parameter; the second moment,
     which has no exact image, maps through the squared entries of ``R`` (the variance of
     a sum of independent coordinates).
 

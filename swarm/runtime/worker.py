@@ -326,7 +326,7 @@ class StageWorker:
         if rot is not None and step >= rot.effective_step:
             if step > rot.effective_step:
                 raise PayloadError(f"rotation for step {rot.effective_step} applied late, at step {step}")
-            rotate_stage(self.stage, rot.basis, self.optimizer.adamw)
+            rotate_stage(self.stage, rot.basis, self.optimizer)
             self.version, self.pending_rotation = rot.version, None
             if self.statistic is not None:
                 self.statistic.reset()
