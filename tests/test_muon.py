@@ -49,5 +49,5 @@ def test_muon_pipeline_trains_like_one_process(kind):
 
 
 def test_unknown_optimizer_is_refused():
-    with pytest.raises(ValueError, match="train.optimizer"):
+    with pytest.raises(ValueError, match=r"train\.optimizer"):
         TrainConfig(optimizer="lion")
