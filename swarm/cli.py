@@ -7,6 +7,7 @@ import dataclasses
 import json
 import shlex
 import sys
+import threading
 import time
 import tomllib
 
@@ -299,6 +300,15 @@ def cmd_data(args: argparse.Namespace) -> int:
         manifest = shards.verify_folder(args.dir, args.corpus)
         print(f"corpus {manifest.corpus_id}: every shard verified ({len(manifest.shards)} shards)")
         return 0
+    if args.action == "serve":
+        from swarm.io.data_server import DataServer
+
+        with DataServer(args.dir, args.host, args.port) as server:
+            print(f"corpus {server.manifest.corpus_id} served at {server.url}", flush=True)
+            try:
+                threading.Event().wait()
+            except KeyboardInterrupt:
+                return 0
     from swarm.io.prepare import PrepareOptions, prepare, resolve_tokenizer
 
     options = PrepareOptions(
@@ -324,7 +334,7 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     """``swarm data prepare|verify``."""
     from swarm.io.prepare import PrepareOptions
 
-    p = sub.add_parser("data", help="prepare a corpus into verified token shards, or verify one")
+    p = sub.add_parser("data", help="prepare a corpus into verified token shards; verify or serve one")
     actions = p.add_subparsers(dest="action", required=True)
     prep = actions.add_parser(
         "prepare",
@@ -348,6 +358,10 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     verify = actions.add_parser("verify", help="check a prepared folder against its manifest")
     verify.add_argument("dir", help="the prepared folder")
     verify.add_argument("--corpus", help="the corpus id it must have")
+    serve = actions.add_parser("serve", help="serve a prepared folder over HTTP (with Range) until Ctrl-C")
+    serve.add_argument("dir", help="the prepared folder")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    serve.add_argument("--port", type=int, default=0, help="port (0: a free one)")
     p.set_defaults(func=cmd_data)
 
 
