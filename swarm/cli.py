@@ -46,7 +46,12 @@ def add_run_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--lr", type=float)
     g.add_argument("--rotate-every", type=int, help="steps between subspace rotations (0: static)")
     g.add_argument("--checkpoint-every", type=int, help="steps between stage snapshot cuts (0: none)")
-    g.add_argument("--corpus", help="text file, folder or JSONL (default: the bundled Shakespeare plays)")
+    g.add_argument(
+        "--corpus",
+        help="text file, folder or JSONL (default: the bundled Shakespeare plays), or a prepared corpus: "
+        "its folder or mirror URLs (space-separated)",
+    )
+    g.add_argument("--corpus-id", help="the prepared corpus's id (swarm data prepare prints it)")
     g.add_argument("--tokenizer", choices=["bpe", "byte"])
     g.add_argument("--seed", type=int)
 
@@ -85,6 +90,7 @@ def run_config_from_args(args: argparse.Namespace) -> RunConfig:
         ("checkpoint", "interval"): args.checkpoint_every,
         ("data", "source"): args.corpus,
         ("data", "tokenizer"): args.tokenizer,
+        ("data", "corpus"): args.corpus_id,
     }
     for (section, key), value in overrides.items():
         if value is not None:

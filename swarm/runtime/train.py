@@ -14,7 +14,8 @@ from tqdm import tqdm
 from swarm.core.config import RunConfig
 from swarm.core.device import pick_device
 from swarm.io import model_io
-from swarm.io.data import BatchSampler, TokenDataset, ValidationBatches, batch_ids, load_dataset
+from swarm.io.data import TokenDataset, ValidationBatches, batch_ids, load_dataset
+from swarm.io.prepared import PreparedDataset
 from swarm.runtime.pipeline import LocalPipeline
 
 
@@ -41,7 +42,9 @@ class TrainSummary:
 
 
 @torch.no_grad()
-def evaluate(pipe: LocalPipeline, dataset: TokenDataset, config: RunConfig, max_batches: int = 4) -> float:
+def evaluate(
+    pipe: LocalPipeline, dataset: TokenDataset | PreparedDataset, config: RunConfig, max_batches: int = 4
+) -> float:
     """Mean validation loss, through the same compressed boundaries as training."""
     batches = ValidationBatches(dataset.val, config.train.batch_size, config.train.seq_len, max_batches)
     losses = []
@@ -56,7 +59,7 @@ def evaluate(pipe: LocalPipeline, dataset: TokenDataset, config: RunConfig, max_
 def train(
     config: RunConfig,
     device: str = "auto",
-    dataset: TokenDataset | None = None,
+    dataset: TokenDataset | PreparedDataset | None = None,
     progress: bool = True,
     out_dir: str | Path | None = None,
     eval_batches: int = 4,
@@ -67,7 +70,7 @@ def train(
     dev = pick_device(device)
     torch.manual_seed(config.train.seed)
     dataset = dataset or load_dataset(config)
-    sampler = BatchSampler(dataset.train, config.train.batch_size, config.train.seq_len, config.train.seed)
+    sampler = dataset.sampler(config.train.batch_size, config.train.seq_len, config.train.seed)
     pipe = LocalPipeline(config, device=dev)
     initial = evaluate(pipe, dataset, config, eval_batches)
     val_losses = [(0, initial)]
