@@ -21,7 +21,7 @@ class DataServer:
 
     def __init__(self, folder: str | Path, host: str = "127.0.0.1", port: int = 0) -> None:
         self.folder = Path(folder)
-        self.manifest = shards.verify_folder(self.folder)
+        self.manifest = shards.verify_folder(self.folder, deep=False)
         names = {shards.MANIFEST, *(s.name for s in self.manifest.shards)}
         if self.manifest.tokenizer["file"] is not None:
             names.add(self.manifest.tokenizer["file"])
