@@ -9,7 +9,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-from bench import quality_report
+from bench import data as data_bench
+from bench import quality_report, state
 
 
 def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -136,6 +137,8 @@ def markdown(r: dict) -> str:
         *quality_report.section(r),
         *_precision_section(r),
         *_relay_section(r),
+        *(state.section(r["state"]) if "state" in r else []),
+        *(data_bench.section(r["data"]) if "data" in r else []),
         f"Section times (s): {', '.join(f'{k} {v:.0f}' for k, v in r['seconds'].items())}.",
     ]
     return "\n".join(out) + "\n"

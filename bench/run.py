@@ -12,6 +12,7 @@ import datetime
 import json
 import os
 import platform
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -34,10 +35,12 @@ from bench import (
     replica_sync,
     replicas,
     report,
+    state,
     throughput,
     wan_replicas,
     wire,
 )
+from bench import data as data_bench
 from bench.codecs import CodecCase, codec_cases
 from bench.netns import available as netns_available
 from bench.throughput import Link
@@ -73,6 +76,8 @@ class BenchPlan:
     quality: quality.QualityPlan | None = None
     precision: precision.PrecisionPlan | None = None
     relay: relay.RelayPlan | None = None
+    state: state.StatePlan | None = None
+    data: data_bench.DataPlan | None = None
 
 
 def plan(quick: bool) -> BenchPlan:
@@ -141,6 +146,15 @@ def plan(quick: bool) -> BenchPlan:
             ),
             relay=relay.RelayPlan(
                 tiny, TrainConfig(steps=6, batch_size=4, seq_len=32, microbatches=2), megabytes=64
+            ),
+            data=data_bench.DataPlan(max_mb=4, max_steps=200, repeats=1, memory_check=False),
+            state=state.StatePlan(
+                tiny,
+                TrainConfig(batch_size=4, seq_len=32, microbatches=2),
+                n_stages=2,
+                steps=3,
+                state_bytes=32 << 20,
+                holders=(1, 2),
             ),
         )
     small = MODEL_PRESETS["small"]
@@ -232,6 +246,8 @@ def plan(quick: bool) -> BenchPlan:
         ),
         precision=_precision_plan(),
         relay=relay.RelayPlan(small, TrainConfig(steps=12, batch_size=8, seq_len=128, microbatches=2)),
+        data=data_bench.DataPlan(),
+        state=state.StatePlan(small, TrainConfig(batch_size=8, seq_len=128, microbatches=2)),
     )
 
 
@@ -344,6 +360,10 @@ def sections(p: BenchPlan, quick: bool, cache: Path | None = None) -> dict[str, 
         out["precision"] = lambda: precision.run(p.precision)
     if p.relay is not None:
         out["relay"] = lambda: relay.run(p.relay)
+    if p.state is not None:
+        out["state"] = lambda: state.run(p.state)
+    if p.data is not None:
+        out["data"] = lambda: data_bench.run(p.data, Path(tempfile.gettempdir()) / "swarm-bench-data")
     return out
 
 

@@ -1,6 +1,7 @@
 """The run's history: plan epochs, the checkpoint cuts they resume from, the microbatches each deals.
 
-A new epoch resumes from the latest complete cut whose snapshots all verify; snapshot records
+A new epoch resumes from the latest complete cut whose snapshots all verify (on the coordinator's
+disk) or have an alive holder (:class:`~swarm.coordinator.keepers.Keepers`); snapshot records
 past that cut are dropped (those steps will be redone), so every cut the ledger holds comes from
 one history. Only the newest ``checkpoint.keep`` complete cuts are kept (and the current epoch's,
 which a late joiner restores from). Epochs, resume steps and snapshot records are written through
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 
 from swarm.coordinator.assignment import Owners
 from swarm.coordinator.bulletin import Bulletin
+from swarm.coordinator.keepers import Keepers
 from swarm.coordinator.state import CheckpointRecord, CoordinatorState, RunRecord
 from swarm.coordinator.store import ArtifactStore
 
@@ -28,7 +30,7 @@ log = logging.getLogger("swarm.coordinator")
 
 
 class Ledger:
-    """The plan epoch of ``run`` and its snapshot records (their artifacts in ``store``)."""
+    """The plan epoch of ``run`` and its snapshot records (their bytes in ``store`` or with ``keepers``)."""
 
     def __init__(
         self,
@@ -36,9 +38,11 @@ class Ledger:
         run: RunRecord,
         state: CoordinatorState,
         store: ArtifactStore,
+        keepers: Keepers,
         metrics: Metrics,
     ):
         self.config, self.state, self.store, self.metrics = config, state, store, metrics
+        self.keepers = keepers
         self.run_id, self.plan_epoch = run.id, run.plan_epoch
         self.link_key = run.auth_token.encode()  # the run's secret: boundary link secrets derive from it
         self.resume_step, self.restarts = run.resume_step, run.restarts
@@ -99,15 +103,22 @@ class Ledger:
             return []
         keys = [(self.resume_step - 1, s) for s in stages]
         records = [self.checkpoints[key] for key in keys if key in self.checkpoints]
-        return [
-            coordinator_pb2.StageCheckpoint(stage=r.stage, step=r.step, digest=r.digest, size=r.size)
-            for r in records
-        ]
+        return [self.keepers.describe(r, self.store.complete(r.digest)) for r in records]
+
+    def record(self, ref: coordinator_pb2.StageCheckpoint) -> CheckpointRecord | None:
+        """The record ``ref`` names (same stage, step and digest), if the ledger holds it."""
+        record = self.checkpoints.get((ref.step, ref.stage))
+        return record if record is not None and record.digest == ref.digest else None
 
     def add_checkpoint(self, record: CheckpointRecord) -> int | None:
-        """Record an uploaded snapshot and prune old cuts; the newest complete cut when it is new."""
+        """Record a reported snapshot; the newest complete cut when it is new (:meth:`cut_news`)."""
         self.checkpoints[(record.step, record.stage)] = record
         self.state.add_checkpoint(record)
+        return self.cut_news()
+
+    def cut_news(self) -> int | None:
+        """Prune old cuts; the newest complete cut when it is new (a snapshot was reported, uploaded
+        or kept since the last call)."""
         self._prune_cuts()
         cut = self.latest_cut()
         if cut < 0 or cut == self._cut_shown:
@@ -125,27 +136,42 @@ class Ledger:
         return cuts[0] if cuts else -1
 
     def _complete_cuts(self) -> list[int]:
-        """Steps every stage has a snapshot record of, newest first."""
+        """Steps every stage has a stored snapshot of, newest first."""
         counts: dict[int, int] = {}
-        for step, _ in self.checkpoints:
-            counts[step] = counts.get(step, 0) + 1
+        for (step, _), record in self.checkpoints.items():
+            counts[step] = counts.get(step, 0) + self._stored(record)
         return sorted((s for s, n in counts.items() if n == self.config.n_stages), reverse=True)
 
-    def _latest_verified_cut(self) -> int:
-        """The newest complete cut whose snapshots all pass their hash check (-1: none).
+    def _stored(self, r: CheckpointRecord) -> bool:
+        """Whether the snapshot outlives the node that took it: a keeper holds it too, or this
+        coordinator's disk (as an upload once made a cut durable, a keeper's copy does now)."""
+        return len(self.keepers.holders.get(r.digest, ())) > 1 or self.store.complete(r.digest)
 
-        A snapshot that fails is deleted with its record, so its cut is never offered again.
+    def _latest_verified_cut(self) -> int:
+        """The newest complete cut whose snapshots all have an alive holder or pass their hash check
+        on the coordinator's disk (-1: none).
+
+        A snapshot that has neither is dropped with its record, so its cut is never offered again.
         """
         for step in self._complete_cuts():
             records = [self.checkpoints[(step, s)] for s in range(self.config.n_stages)]
-            bad = [r for r in records if self.store.read(r.digest) is None]
+            bad = [r for r in records if not self._available(r)]
             if not bad:
                 return step
-            for r in bad:
-                self.metrics.rejected.labels(reason="corrupt_snapshot").inc()
-                log.warning("snapshot of stage %d at step %d failed its hash check", r.stage, r.step)
             self._forget(bad)
         return -1
+
+    def _available(self, r: CheckpointRecord) -> bool:
+        if self.keepers.alive_holders(r.digest):
+            return True
+        if not self.store.complete(r.digest):
+            log.warning("snapshot of stage %d at step %d has no alive holder", r.stage, r.step)
+            return False
+        if self.store.read(r.digest) is None:
+            self.metrics.rejected.labels(reason="corrupt_snapshot").inc()
+            log.warning("snapshot of stage %d at step %d failed its hash check", r.stage, r.step)
+            return False
+        return True
 
     def _forget(self, records: list[CheckpointRecord]) -> None:
         """Drop snapshot records, and their artifacts when no other record names them."""
@@ -153,8 +179,10 @@ class Ledger:
             self.checkpoints.pop((r.step, r.stage), None)
         self.state.remove_checkpoints(records)
         kept = {r.digest for r in self.checkpoints.values()}
-        for key in {r.digest for r in records} - kept:
+        gone = {r.digest for r in records} - kept
+        for key in gone:
             self.store.remove(key)
+        self.keepers.forget(gone)
 
     def _prune_cuts(self) -> None:
         """Keep the newest ``checkpoint.keep`` complete cuts (and anything newer)."""

@@ -213,6 +213,7 @@ class Planner:
             resume_step=self.ledger.resume_step,
             restore=self.ledger.restore(node.stages),
             replicas=self._replicas(),
+            upload_snapshots=self.ledger.keepers.uploads(node),
         )
 
     def neighbours(self, node_id: str, other_id: str) -> bool:

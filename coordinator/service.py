@@ -10,7 +10,8 @@ The service wires the coordinator's collaborators and keeps its RPC handlers thi
 * :mod:`~swarm.coordinator.judge`: who to evict on an accusation of invalid frames;
 * :mod:`~swarm.coordinator.rotation_hub`: statistics in, rotations out and streamed;
 * :mod:`~swarm.coordinator.progress`: step reports and the ``Status`` document;
-* :mod:`~swarm.coordinator.artifacts`: the embedding, stage snapshots, the trained model.
+* :mod:`~swarm.coordinator.artifacts`: the embedding, uploaded stage snapshots, the trained model;
+* :mod:`~swarm.coordinator.keepers`: which nodes hold each snapshot, and keep orders.
 
 All handlers run on one event loop and never await while they change the membership,
 so the in-memory plan needs no lock; every change is written through to SQLite
@@ -45,6 +46,7 @@ from swarm.coordinator.errors import Rejected
 from swarm.coordinator.export import artifact_store, default_model_dir
 from swarm.coordinator.gate import Gate, admit_operator_token
 from swarm.coordinator.judge import Judge
+from swarm.coordinator.keepers import Keepers
 from swarm.coordinator.ledger import Ledger
 from swarm.coordinator.planner import Planner
 from swarm.coordinator.progress import Progress
@@ -62,6 +64,7 @@ from swarm.codecs.base import PayloadError
 from swarm.core.config import RunConfig, config_hash
 from swarm.core.subspace import initial_artifacts
 from swarm.io.artifacts import CHUNK_BYTES, matrix_to_bytes
+from swarm.io.manifest import Manifest
 from swarm.net.channel import server_options
 from swarm.net.health import Health
 from swarm.net.netaddr import split_host_port
@@ -111,9 +114,11 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.artifacts = Artifacts(
             matrix_to_bytes(fixed), store, default_model_dir(state_file), settings.export_wait_s
         )
-        self.ledger = Ledger(config, run, self.state, store, metrics)
-        self.rotation = RotationHub(config, basis, self.state, metrics)
         self.roster = Roster(config.n_stages, self.state, metrics, settings)
+        key = run.auth_token.encode()
+        self.keepers = Keepers(settings.snapshot_keepers, key, self.state, self.roster, metrics)
+        self.ledger = Ledger(config, run, self.state, store, self.keepers, metrics)
+        self.rotation = RotationHub(config, basis, self.state, metrics)
         self.progress = Progress(config, self.state, metrics, self.roster, self.ledger, self.rotation)
         self.relays = RelayPool([Relay(a, a) for a in settings.relays])
         self.planner = Planner(
@@ -167,6 +172,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         while True:
             await asyncio.sleep(period)
             self.reap()
+            self.order_keepers()
+
+    def order_keepers(self) -> None:
+        """Order keepers for snapshots that lack them (new ones, or a keeper died; not those on this
+        coordinator's disk); wake the held heartbeats."""
+        if self.progress.run_complete:
+            return
+        kept_here = self.artifacts.store.complete
+        records = [r for r in self.ledger.records() if not kept_here(r.digest)]
+        if self.keepers.reconcile(records, self.roster.owners()):
+            self.ledger.news.post()
 
     def reap(self) -> None:
         """Declare dead every alive node silent for longer than ``dead_after_s``; reassign its stages."""
@@ -178,6 +194,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         reply = self.progress.status(self.config_hash, since_step)
         reply.plan_problems.extend(self.planner.problems)
         reply.relayed_links.extend(self.planner.relayed_links())
+        reply.snapshot_holding = self.keepers.holding()
+        reply.bad_holders.extend(self.keepers.bad)
         return reply
 
     # -- membership ---------------------------------------------------------------------------
@@ -216,6 +234,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             run_complete=self.progress.run_complete,
             reachable=reachable,
             reachability=reachability,
+            snapshot_access=self.keepers.access(node.id),
         )
 
     async def _offered_relay(self, node: NodeRecord, address: str) -> str:
@@ -257,9 +276,15 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             run_complete=self.progress.run_complete,
             cut_requests=self.ledger.cut_requests,
             session=self.gate.sessions.renewal(session) or "",
+            keep_orders=self.keepers.issued,
         )
         if request.plan_epoch != self.ledger.plan_epoch:
             reply.plan.CopyFrom(self.planner.plan_for(node))
+        if request.keep_orders != self.keepers.issued:
+            orders = self.keepers.orders_for(node.id, self.ledger.records())
+            reply.keep.extend(
+                self.keepers.describe(r, self.artifacts.store.complete(r.digest)) for r in orders
+            )
         return reply
 
     async def _hold(self, request: coordinator_pb2.HeartbeatRequest) -> None:
@@ -272,6 +297,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
                 request.plan_epoch != self.ledger.plan_epoch
                 or request.cut_requests != self.ledger.cut_requests
                 or request.run_complete != self.progress.run_complete
+                or request.keep_orders != self.keepers.issued
             )
 
         while not news() and (left := deadline - loop.time()) > 0:
@@ -420,19 +446,47 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def ReportCheckpoint(self, request, context) -> coordinator_pb2.CheckpointAck:
         c = request.checkpoint
+        if request.kept or request.bad_holder:
+            return await self._holder_report(request, context)
         try:
             self.gate.require_host(request.node_id, c.stage, request.plan_epoch, context)
-            if not self.artifacts.uploaded(c.digest, c.size):
+            node = self.roster.nodes[request.node_id]
+            manifest = Manifest.parse(c.stage, c.step, c.digest, c.size, c.chunk_bytes, c.chunk_sha256)
+            if not self.artifacts.uploaded(c.digest, c.size) and not self.keepers.can_hold(node):
                 raise Rejected("malformed", f"snapshot {c.digest[:12]} of {c.size} bytes is not uploaded")
         except Rejected as e:
             await self.gate.refuse(context, e)
         except PayloadError as e:
             await self.gate.reject(context, grpc.StatusCode.INVALID_ARGUMENT, "malformed", str(e))
-        new_cut = self.ledger.add_checkpoint(CheckpointRecord(c.step, c.stage, c.digest, c.size))
-        if new_cut == self.config.train.steps - 1:  # the final cut: write the trained model
+        self.keepers.took(c.digest, node)
+        record = CheckpointRecord(c.step, c.stage, c.digest, c.size, manifest.chunk_bytes, manifest.packed)
+        self._cut_stored(self.ledger.add_checkpoint(record))
+        self.order_keepers()
+        return coordinator_pb2.CheckpointAck(latest_cut=self.ledger.latest_cut() + 1)
+
+    def _cut_stored(self, new_cut: int | None) -> None:
+        """A newly complete cut: the final one writes the trained model, others may let replicas join."""
+        if new_cut == self.config.train.steps - 1:
             self.artifacts.export(self.config, self.ledger.records())
         elif new_cut is not None:
             self.planner.cut_completed(new_cut)
+
+    async def _holder_report(self, request, context) -> coordinator_pb2.CheckpointAck:
+        """A keeper holds a snapshot now, or a fetcher names a holder that served a bad chunk."""
+        try:
+            self.gate.authenticated(request.node_id, context)
+            if self.roster.alive_node(request.node_id) is None:
+                raise Rejected("unknown_node", f"node {request.node_id[:8]} is not in the run")
+        except Rejected as e:
+            await self.gate.refuse(context, e)
+        record = self.ledger.record(request.checkpoint)
+        if record is not None and request.bad_holder:
+            self.keepers.refuse(
+                record.digest, request.bad_holder[:64], request.node_id, "hash or size mismatch"
+            )
+        elif record is not None:
+            self.keepers.hold(record.digest, request.node_id)
+            self._cut_stored(self.ledger.cut_news())
         return coordinator_pb2.CheckpointAck(latest_cut=self.ledger.latest_cut() + 1)
 
     async def ReportStatistics(self, request, context):

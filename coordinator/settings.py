@@ -23,7 +23,9 @@ class CoordinatorSettings:
     announced address is taken on trust); ``max_snapshot_bytes``: the largest stage snapshot accepted;
     ``export_wait_s``: how long a stopping coordinator waits for the final model to be written;
     ``relays``: relays (``HOST:PORT`` of ``swarm-coordinator relay`` processes) that links neither of
-    whose ends accepts run through.
+    whose ends accepts run through; ``snapshot_keepers``: how many nodes besides its host keep each
+    stage snapshot (fetched from its holders; the coordinator keeps the manifest only), 0: snapshots
+    are uploaded to the coordinator.
     """
 
     dead_after_s: float = 15.0
@@ -35,3 +37,4 @@ class CoordinatorSettings:
     max_snapshot_bytes: int = 16 << 30
     export_wait_s: float = 120.0
     relays: tuple[str, ...] = ()
+    snapshot_keepers: int = 0

@@ -47,7 +47,10 @@ CREATE TABLE IF NOT EXISTS broken_pairs (a TEXT NOT NULL, b TEXT NOT NULL, PRIMA
 CREATE TABLE IF NOT EXISTS rotations (version INTEGER PRIMARY KEY, effective_step INTEGER, message BLOB);
 CREATE TABLE IF NOT EXISTS checkpoints (
     step INTEGER NOT NULL, stage INTEGER NOT NULL, digest TEXT NOT NULL, size INTEGER NOT NULL, at REAL,
-    PRIMARY KEY (step, stage)
+    chunk_bytes INTEGER NOT NULL DEFAULT 0, chunks BLOB NOT NULL DEFAULT x'', PRIMARY KEY (step, stage)
+);
+CREATE TABLE IF NOT EXISTS holders (
+    digest TEXT NOT NULL, node_id TEXT NOT NULL, PRIMARY KEY (digest, node_id)
 );
 """
 
@@ -67,6 +70,8 @@ class CheckpointRecord:
     stage: int
     digest: str
     size: int
+    chunk_bytes: int = 0  # the manifest (swarm.io.manifest): chunk size, and each chunk's raw sha256
+    chunks: bytes = b""
 
 
 @dataclass
@@ -102,6 +107,10 @@ class CoordinatorState:
         columns = {row[1] for row in self.db.execute("PRAGMA table_info(nodes)")}
         if "reachable" not in columns:  # a state file from before reachability was measured
             self.db.execute("ALTER TABLE nodes ADD COLUMN reachable INTEGER")
+        columns = {row[1] for row in self.db.execute("PRAGMA table_info(checkpoints)")}
+        if "chunks" not in columns:  # a state file from before snapshots had manifests
+            self.db.execute("ALTER TABLE checkpoints ADD COLUMN chunk_bytes INTEGER NOT NULL DEFAULT 0")
+            self.db.execute("ALTER TABLE checkpoints ADD COLUMN chunks BLOB NOT NULL DEFAULT x''")
 
     def open_run(self, run_id: str | None, config: RunConfig) -> RunRecord:
         """Store a new run (``run_id`` or a fresh id, a fresh auth secret), or resume the stored one.
@@ -259,13 +268,40 @@ class CoordinatorState:
 
     def add_checkpoint(self, record: CheckpointRecord) -> None:
         self.db.execute(
-            "INSERT OR REPLACE INTO checkpoints VALUES (?, ?, ?, ?, ?)",
-            (record.step, record.stage, record.digest, record.size, time.time()),
+            "INSERT OR REPLACE INTO checkpoints (step, stage, digest, size, at, chunk_bytes, chunks) "
+            "VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (
+                record.step,
+                record.stage,
+                record.digest,
+                record.size,
+                time.time(),
+                record.chunk_bytes,
+                record.chunks,
+            ),
         )
 
     def checkpoints(self) -> list[CheckpointRecord]:
-        rows = self.db.execute("SELECT step, stage, digest, size FROM checkpoints ORDER BY step, stage")
-        return [CheckpointRecord(int(r[0]), int(r[1]), r[2], int(r[3])) for r in rows]
+        rows = self.db.execute(
+            "SELECT step, stage, digest, size, chunk_bytes, chunks FROM checkpoints ORDER BY step, stage"
+        )
+        return [CheckpointRecord(int(r[0]), int(r[1]), r[2], int(r[3]), int(r[4]), bytes(r[5])) for r in rows]
+
+    def holders(self) -> dict[str, set[str]]:
+        """Snapshot digest -> the nodes that reported holding it."""
+        held: dict[str, set[str]] = {}
+        for key, node_id in self.db.execute("SELECT digest, node_id FROM holders"):
+            held.setdefault(key, set()).add(node_id)
+        return held
+
+    def set_holder(self, key: str, node_id: str, holds: bool) -> None:
+        if holds:
+            self.db.execute("INSERT OR IGNORE INTO holders VALUES (?, ?)", (key, node_id))
+        else:
+            self.db.execute("DELETE FROM holders WHERE digest = ? AND node_id = ?", (key, node_id))
+
+    def forget_holders(self, keys: list[str]) -> None:
+        self.db.executemany("DELETE FROM holders WHERE digest = ?", [(k,) for k in keys])
 
     def remove_checkpoints(self, records: list[CheckpointRecord]) -> None:
         self.db.executemany(

@@ -17,6 +17,7 @@ from swarm.node.coordinator_client import CoordinatorUnreachable, Fenced, JoinRe
 from swarm.node.daemon import NodeDaemon
 from swarm.node.settings import NodeSettings, Timeouts
 
+from swarm.io.manifest import CHUNK_BYTES, MAX_CHUNK_BYTES
 from swarm.launch.argv import command_line
 from swarm.net import join_token, tls
 from swarm.net.shaper import LinkProfile
@@ -48,6 +49,18 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="also relay links between nodes that cannot accept streams (behind NAT), on the --listen "
         "host at this port (0: a free one); the coordinator uses it while this node is in the run",
+    )
+    p.add_argument(
+        "--snapshot-mbps",
+        type=float,
+        default=0.0,
+        help="most Mbit/s this node spends serving snapshot chunks to peers (0: no cap)",
+    )
+    p.add_argument(
+        "--snapshot-chunk-kb",
+        type=int,
+        default=CHUNK_BYTES >> 10,
+        help="chunk size of the snapshots this node takes (a fetch spreads over holders chunk by chunk)",
     )
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda:0 ...")
     p.add_argument(
@@ -274,6 +287,8 @@ def main(argv: list[str] | None = None) -> int:
         public_dht=args.public_dht,
         name=args.name,
         relay_port=args.relay_port,
+        snapshot_mbps=max(0.0, args.snapshot_mbps),
+        snapshot_chunk_bytes=min(max(1, args.snapshot_chunk_kb) << 10, MAX_CHUNK_BYTES),
         security=security,
         timeouts=dataclasses.replace(
             Timeouts(),

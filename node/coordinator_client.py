@@ -71,6 +71,9 @@ class CoordinatorClient:
         self.subspace_version = 0
         self.run_complete = False
         self.cut_requests = 0
+        self.keep_orders = 0  # HeartbeatReply.keep_orders as last heard
+        self.keep: list[cpb.StageCheckpoint] = []  # the snapshots this node is to keep, as last listed
+        self.on_keep: Callable[[list[cpb.StageCheckpoint]], None] = lambda orders: None  # called with them
         self.fatal: Fenced | CoordinatorUnreachable | None = None
         self.rotations: dict[int, SubspaceRotation] = {}
         self._changed = asyncio.Event()
@@ -190,6 +193,7 @@ class CoordinatorClient:
             subspace_version=self.subspace_version,
             averaging_address=self.averaging_address,
             capacity_tokens_per_second=self.capacity,
+            keep_orders=self.keep_orders,
         )
         # Not retried: the next heartbeat is the retry, and it must not wait out a backoff.
         reply = await self.call("Heartbeat", request, retry=False)
@@ -204,6 +208,9 @@ class CoordinatorClient:
             self.run_complete, changed = True, True
         if reply.cut_requests != self.cut_requests:
             self.cut_requests, changed = reply.cut_requests, True
+        if reply.keep_orders != self.keep_orders:
+            self.keep_orders, self.keep = reply.keep_orders, list(reply.keep)
+            self.on_keep(self.keep)
         if changed:
             self._changed.set()
         return changed

@@ -32,13 +32,17 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from swarm.node.checkpointer import Checkpointer
 from swarm.node.coordinator_client import CoordinatorClient, CoordinatorUnreachable, Fenced, JoinRefused
+from swarm.node.keeper import Keeper, bad_holder_report
 from swarm.node.link_manager import LinkManager, unreachable_boundaries
 from swarm.node.links import CLOSE_FLUSH_S, BadFrameError, LinkError, RunIdentity
 from swarm.node.own_states import OwnStates
 from swarm.node.replica_averaging import ReplicaGroup, Sibling
 from swarm.node.settings import NodeSettings
-from swarm.node.stage_host import Checkpointer, StageHost
+from swarm.node.snapshot_fetch import SnapshotFetcher
+from swarm.node.snapshot_server import SnapshotServer
+from swarm.node.stage_host import StageHost
 from swarm.node.stage_service import StageService
 
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
@@ -159,7 +163,8 @@ class NodeDaemon:
         self.client.set_phase(cpb.NODE_PHASE_FETCHING)
         fixed, fetched = await self._embedding(reply.embedding_digest, reply.embedding_size)
         store = SnapshotStore(self.settings.data_dir / "snapshots", self.config.checkpoint.keep)
-        self.checkpointer = Checkpointer(store, self.client, self.metrics)
+        self.checkpointer = Checkpointer(store, self.client, self.metrics, self.settings.snapshot_chunk_bytes)
+        self._serve_snapshots(store, reply.snapshot_access)
         # with replicas, an epoch may resume from the states the stages held after their last steps
         self.own_states = OwnStates() if self.config.train.replicas > 1 else None
         await self._publish(reply)
@@ -183,6 +188,30 @@ class NodeDaemon:
             not finished,
             None if finished else self._final_cut,
         )
+
+    def _serve_snapshots(self, store: SnapshotStore, access: str) -> None:
+        """Serve the snapshots in ``store`` to peers naming ``access``; fetch from peers; keep what the
+        coordinator orders this node to keep."""
+        s = self.settings
+        if self.service is not None:
+            self.service.snapshots = SnapshotServer(store, self.metrics, s.snapshot_mbps)
+            self.service.snapshots.access = access
+
+        def report_bad(ref: cpb.StageCheckpoint, holder: str) -> None:
+            self.client.report("ReportCheckpoint", bad_holder_report(self.node_id, ref, holder))
+
+        self.fetcher = SnapshotFetcher(
+            store.root,
+            lambda: self.node_id,
+            self.metrics,
+            report_bad,
+            self.client.fetch,
+            s.security,
+            s.timeouts.keepalive,
+        )
+        self.keeper = Keeper(self.fetcher, store, self.client)
+        self.client.on_keep = self.keeper.take
+        self.keeper.take(self.client.keep)
 
     async def _cut_complete(self, step: int) -> None:
         """Until every stage's snapshot of ``step`` is stored: then leaving loses nothing."""
@@ -362,6 +391,7 @@ class NodeDaemon:
             self.device,
             self.client,
             self.checkpointer,
+            self.fetcher,
             self.metrics,
             self._dataset,
             self.settings.timeouts,
@@ -521,6 +551,8 @@ class NodeDaemon:
         await asyncio.gather(*self._tasks, return_exceptions=True)
         if hasattr(self, "checkpointer"):
             await self.checkpointer.close()
+            await self.keeper.close()
+            await self.fetcher.close()
         await self.client.close()
         if self.server is not None:  # no more streams; the server itself stays up until close()
             await self.health.set(self.stage_service_name, False)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from swarm.io.manifest import CHUNK_BYTES
 from swarm.net.channel import KeepAlive
 from swarm.net.shaper import LinkProfile
 from swarm.net.tls import INSECURE, Security
@@ -55,5 +56,7 @@ class NodeSettings:
     dht_listen: str = ""  # DHT multiaddr; default: TCP on a free port of the metrics_host default
     name: str = ""
     relay_port: int | None = None  # run a relay for other nodes' links on the listen host (0: a free port)
+    snapshot_mbps: float = 0.0  # cap on serving snapshot chunks to peers (0: none)
+    snapshot_chunk_bytes: int = CHUNK_BYTES  # chunk size of the snapshots it takes
     timeouts: Timeouts = field(default_factory=Timeouts)
     security: Security = INSECURE  # TLS of the coordinator channel, the Stage server and its streams

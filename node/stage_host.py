@@ -4,26 +4,29 @@ Every epoch starts from fresh :class:`~swarm.runtime.worker.StageWorker` objects
 event loop): from the run seed when the epoch resumes at step 0, else restored from the
 node's own state of the step before it (:class:`~swarm.node.own_states.OwnStates`, kept in runs
 with replicas) or from the snapshots of the epoch's cut (the node's own verified copy when it has
-one, else fetched from the coordinator). Consecutive hosted stages talk in memory. After each
-step the step reports are queued for the coordinator; after each cut step every led stage's state
-is captured and handed to the :class:`Checkpointer`, which writes it to disk and uploads it
-in the background while training goes on.
+one, else fetched from its holders: :class:`~swarm.node.snapshot_fetch.SnapshotFetcher`). Consecutive
+hosted stages talk in memory. After each step the step reports are queued for the coordinator;
+after each cut step every led stage's state is captured to host memory and handed to the
+:class:`~swarm.node.checkpointer.Checkpointer`, which saves it in the background while training
+goes on.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable
 
 import torch
+from swarm.node.checkpointer import Checkpointer
 from swarm.node.coordinator_client import CoordinatorClient
+from swarm.node.keeper import held_report
 from swarm.node.links import LocalLink
 from swarm.node.own_states import OwnStates
 from swarm.node.schedule import StageAveraging, StageRunner, StepOutcome
 from swarm.node.settings import Timeouts
+from swarm.node.snapshot_fetch import SnapshotFetcher
 
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
 from swarm.core.config import RunConfig
@@ -37,66 +40,6 @@ from swarm.runtime.replicas import Routes
 from swarm.runtime.worker import StageWorker
 
 log = logging.getLogger(__name__)
-
-
-class Checkpointer:
-    """Serialises, stores and uploads snapshots in the background, one cut at a time; reports each.
-
-    At most one cut waits behind the one being saved: when uploads are slower than the cut
-    interval, a newer cut replaces the waiting one (the run only ever needs the latest).
-    """
-
-    def __init__(self, store: checkpoint.SnapshotStore, client: CoordinatorClient, metrics: Metrics):
-        self.store, self.client, self.metrics = store, client, metrics
-        self._queue: asyncio.Queue[tuple[int, list[dict], float]] = asyncio.Queue(maxsize=1)
-        self._task = asyncio.create_task(self._drain())
-
-    def submit(self, epoch: int, states: list[dict], pause_s: float) -> None:
-        """Save host-memory captures of one cut, taken while training stood still ``pause_s`` seconds."""
-        if self._queue.full():
-            _, skipped, _ = self._queue.get_nowait()
-            self._queue.task_done()
-            log.warning(
-                "snapshot cut after step %d skipped: the previous one is still uploading", skipped[0]["step"]
-            )
-        self._queue.put_nowait((epoch, states, pause_s))
-
-    async def flush(self) -> None:
-        await self._queue.join()
-
-    async def close(self) -> None:
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
-
-    async def _drain(self) -> None:
-        while True:
-            epoch, states, pause_s = await self._queue.get()
-            try:
-                for state in states:
-                    await self._save(epoch, state, pause_s)
-            except Exception as e:  # a failed upload costs this cut only; the next cut tries again
-                log.error("snapshot not saved: %s", e)
-            finally:
-                self._queue.task_done()
-
-    async def _save(self, epoch: int, state: dict, pause_s: float) -> None:
-        stage, step = state["stage"], state["step"]
-        data = await asyncio.to_thread(checkpoint.to_bytes, state)
-        saved = await asyncio.to_thread(self.store.write, stage, step, data)
-        start = time.perf_counter()
-        await self.client.upload(saved.digest, data)
-        seconds = time.perf_counter() - start
-        self.metrics.checkpointed(step)
-        ref = cpb.StageCheckpoint(stage=stage, step=step, digest=saved.digest, size=len(data))
-        self.client.report(
-            "ReportCheckpoint",
-            cpb.CheckpointReport(node_id=self.client.node_id, plan_epoch=epoch, checkpoint=ref),
-        )
-        say(
-            f"snapshot of stage {stage} after step {step}: {len(data)} bytes, training paused "
-            f"{pause_s * 1000:.1f} ms for the copy, uploaded in {seconds:.2f} s"
-        )
 
 
 def connect_local(up: StageRunner, down: StageRunner, node_id: str) -> None:
@@ -130,6 +73,7 @@ class StageHost:
         device: torch.device,
         client: CoordinatorClient,
         checkpointer: Checkpointer,
+        fetcher: SnapshotFetcher,
         metrics: Metrics,
         dataset: Callable[[], TokenDataset],
         timeouts: Timeouts,
@@ -138,7 +82,7 @@ class StageHost:
     ):
         self.config, self.plan, self.fixed, self.device = config, plan, fixed, device
         self.own = own  # this node's states after its latest steps (runs with replicas)
-        self.client, self.checkpointer, self.metrics = client, checkpointer, metrics
+        self.client, self.checkpointer, self.fetcher, self.metrics = client, checkpointer, fetcher, metrics
         self.dataset, self.timeouts = dataset, timeouts
         self.averaging_for = averaging_for
         self.node_id = client.node_id
@@ -170,8 +114,9 @@ class StageHost:
             self.client.set_phase(cpb.NODE_PHASE_FETCHING)
             data = await asyncio.to_thread(self.checkpointer.store.read, ref.stage, ref.step, ref.digest)
             if data is None:
-                data = await self.client.fetch(ref.digest, ref.size)
+                data = await self.fetcher.fetch(ref)
                 await asyncio.to_thread(self.checkpointer.store.write, ref.stage, ref.step, data)
+                self.client.report("ReportCheckpoint", held_report(self.node_id, ref))  # a holder now
             snapshots[ref.stage] = data
         missing = [s for s in self.plan.stages if resume > 0 and s not in own and s not in snapshots]
         if missing:
@@ -304,7 +249,9 @@ class StageHost:
                     pause = self._paused("cut", started)
                 led = [state for state in states if state["stage"] in self.leads]
                 if led:
-                    self.checkpointer.submit(epoch, led, pause)
+                    # the final cut goes to the coordinator too: it writes the trained model from it
+                    upload = self.plan.upload_snapshots or step == steps - 1
+                    self.checkpointer.submit(epoch, led, pause, upload)
                 self.last_cut = step
                 if leaving.is_set():
                     return False

@@ -1,4 +1,5 @@
-"""The node's gRPC ``Stage`` service: accepts the boundary streams its neighbours dial.
+"""The node's gRPC ``Stage`` service: accepts the boundary streams its neighbours dial, and serves
+the chunks of the snapshots it holds (:class:`~swarm.node.snapshot_server.SnapshotServer`).
 
 The service lives as long as the node; what it accepts changes with the plan. Each
 epoch's :class:`~swarm.node.link_manager.LinkManager` registers itself as the current
@@ -26,6 +27,7 @@ from swarm.node.links import (
     planned,
     rejection_reason,
 )
+from swarm.node.snapshot_server import SnapshotServer
 
 from swarm._proto.swarm.v1 import stage_pb2, stage_pb2_grpc
 from swarm.net.frames import PROTOCOL_VERSION
@@ -79,6 +81,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.node_id = ""
         self.local_address = ""  # host:port this node reaches its own server at (where a relay's streams go)
         self.pending: collections.Counter[str] = collections.Counter()  # host -> streams before Hello
+        self.snapshots: SnapshotServer | None = None  # set once the node joined a run
 
     async def Exchange(self, request_iterator, context: grpc.aio.ServicerContext):
         host = context.peer().rpartition(":")[0]  # "ipv4:10.0.0.2:51234" -> "ipv4:10.0.0.2"
@@ -117,6 +120,12 @@ class StageService(stage_pb2_grpc.StageServicer):
             await acceptor.attach(boundary, peer.node_id, link)
         finally:  # what is queued goes out before the call ends (e.g. a refusal's Error)
             await link.close()
+
+    async def FetchSnapshot(self, request: stage_pb2.SnapshotRequest, context: grpc.aio.ServicerContext):
+        if self.snapshots is None:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "this node has joined no run yet")
+        async for chunk in self.snapshots.serve(request, context):
+            yield chunk
 
     async def Ping(self, request: stage_pb2.PingRequest, context) -> stage_pb2.PingReply:
         acceptor = self.acceptor

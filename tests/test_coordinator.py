@@ -22,7 +22,9 @@ import torch
 from swarm.coordinator.assignment import add_replicas, assign, links_for, stages_of, take_stages
 from swarm.coordinator.export import artifact_store
 from swarm.coordinator.judge import SAME_PAIR_ACCUSATIONS, Judge
+from swarm.coordinator.keepers import Keepers
 from swarm.coordinator.ledger import Ledger
+from swarm.coordinator.roster import Roster
 from swarm.coordinator.service import CoordinatorServer, CoordinatorService
 from swarm.coordinator.settings import CoordinatorSettings
 from swarm.coordinator.state import CheckpointRecord, CoordinatorState, NodeRecord
@@ -31,6 +33,7 @@ from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
 from swarm.core.config import RotationConfig, RunConfig, config_hash
 from swarm.core.subspace import initial_artifacts, next_rotation
 from swarm.io.artifacts import CHUNK_BYTES, digest, matrix_to_bytes
+from swarm.io.manifest import Manifest
 from swarm.net.credentials import session_metadata
 from swarm.net.frames import PROTOCOL_VERSION, rotation_from_proto
 from swarm.ops.metrics import Metrics
@@ -126,7 +129,16 @@ class Harness:
         key = digest(data)
         reply = await self.upload([upload_chunk(node_id, data, 0, len(data))])
         assert reply.complete and reply.held == len(data)
-        record = coordinator_pb2.StageCheckpoint(stage=stage, step=step, digest=key, size=len(data))
+        chunks = Manifest.of(stage, step, data, chunk_bytes=1024)
+        record = coordinator_pb2.StageCheckpoint(
+            stage=stage,
+            step=step,
+            digest=key,
+            size=len(data),
+            chunk_bytes=1024,
+            chunk_sha256=chunks.packed,
+            at_coordinator=True,  # as a plan names it: uploaded
+        )
         request = coordinator_pb2.CheckpointReport(node_id=node_id, plan_epoch=epoch, checkpoint=record)
         return await self.stub.ReportCheckpoint(request, timeout=RPC_TIMEOUT), record
 
@@ -195,13 +207,15 @@ async def coordinator(
     config: RunConfig | None = None,
     dead_after_s: float = CoordinatorSettings.dead_after_s,
     credentials: NodeCredentials | None = None,
+    keepers: int = 0,
 ) -> AsyncIterator[Harness]:
     """A coordinator on ``state`` and a channel to it; ``credentials``: sessions nodes already hold
-    (from a previous coordinator on the same state)."""
+    (from a previous coordinator on the same state); ``keepers``: snapshot keepers (0: these tests'
+    nodes upload their snapshots, and nothing is fetched from their made-up addresses)."""
     credentials = credentials or NodeCredentials()
     # The announce addresses these tests join with are made up: taken on trust, not dialled back
     # (tests/test_reachability.py dials real ones).
-    settings = CoordinatorSettings(dead_after_s=dead_after_s, reach_timeout_s=0.0)
+    settings = CoordinatorSettings(dead_after_s=dead_after_s, reach_timeout_s=0.0, snapshot_keepers=keepers)
     service = CoordinatorService(
         config or tiny_config(), TOKEN, state, None, Metrics("coordinator"), PEERS, settings
     )
@@ -335,7 +349,9 @@ def test_the_ledger_shows_each_cut_once_and_resumes_from_the_newest_that_verifie
     try:
         store = artifact_store(tmp_path / "state.sqlite", 1 << 20)
         run = state.open_run(None, config)
-        ledger = Ledger(config, run, state, store, Metrics("coordinator"))
+        metrics = Metrics("coordinator")
+        roster = Roster(config.n_stages, state, metrics, CoordinatorSettings())
+        ledger = Ledger(config, run, state, store, Keepers(0, b"key", state, roster, metrics), metrics)
 
         def snapshot(step: int, stage: int) -> int | None:
             data = f"stage {stage} after step {step}".encode()

@@ -79,7 +79,9 @@ def seeds(live: LiveCoordinator) -> dict[str, object]:
     """One valid request per unary RPC, from the first node."""
     a = live.nodes[0]
     node, epoch = a.node_id, a.plan.epoch
-    checkpoint = cpb.StageCheckpoint(stage=0, step=0, digest="ab" * 32, size=64)
+    checkpoint = cpb.StageCheckpoint(
+        stage=0, step=0, digest="ab" * 32, size=64, chunk_bytes=64, chunk_sha256=b"\1" * 32
+    )
     return {
         "Join": cpb.JoinRequest(protocol_version=PROTOCOL_VERSION, token=TOKEN, node_name="x", max_stages=1),
         "Heartbeat": cpb.HeartbeatRequest(node_id=node, plan_epoch=epoch, step=3),

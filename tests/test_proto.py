@@ -104,7 +104,7 @@ def reserved(message: type) -> set[int]:
 def test_schema() -> None:
     assert PROTOCOL_VERSION == 2 == common_pb2.PROTOCOL_VERSION_CURRENT
     services = {s.name: [m.name for m in s.methods] for s in stage_pb2.DESCRIPTOR.services_by_name.values()}
-    assert services == {"Stage": ["Exchange", "Ping"]}
+    assert services == {"Stage": ["Exchange", "Ping", "FetchSnapshot"]}
     coordinator = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
     assert [m.name for m in coordinator.methods] == [
         "Join",
@@ -140,6 +140,7 @@ def test_plan_schema() -> None:
         "resume_step": 4,
         "restore": 5,
         "replicas": 6,
+        "upload_snapshots": 7,
     }
     assert fields(coordinator_pb2.StageReplica) == {"node_id": 1, "microbatches": 2, "averaging_address": 3}
     join = fields(coordinator_pb2.JoinReply)

@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 import torch
-from swarm.node.stage_host import Checkpointer
+from swarm.node.checkpointer import Checkpointer
 
 from swarm.io import checkpoint
 from swarm.ops.metrics import Metrics
@@ -51,7 +51,7 @@ def test_training_goes_on_while_a_slow_upload_is_in_flight(tmp_path):
     async def scenario() -> None:
         client = SlowClient()
         saver = Checkpointer(checkpoint.SnapshotStore(tmp_path), client, Metrics("node"))
-        saver.submit(1, states, 0.002)  # returns at once: nothing waits for the upload
+        saver.submit(1, states, 0.002, upload=True)  # returns at once: nothing waits for the upload
         for step in range(2):  # the next steps train while the snapshot is being uploaded
             pipe.train_step(step, random_batch(config, step))
             await asyncio.sleep(0.05)

@@ -133,3 +133,15 @@ def test_status_document_hides_credentials_and_names_states():
     ]
     text = render(reply, "host:7000") + json.dumps(doc)
     assert not any(c * 9 in text for c in "abc")
+
+
+def test_status_says_where_snapshot_bytes_live_and_names_lying_holders():
+    reply = cpb.StatusReply(
+        run_id="run-1",
+        snapshot_holding="snapshots are uploaded to the coordinator (--snapshot-keepers 0)",
+        bad_holders=["node aaaaaaaa served a bad chunk of snapshot 0123456789ab to bbbbbbbb: hash mismatch"],
+    )
+    text = render(reply, "host:7000")
+    assert "  snapshots are uploaded to the coordinator (--snapshot-keepers 0)" in text
+    assert "bad snapshot holder: node aaaaaaaa served a bad chunk" in text
+    assert status_document(reply)["bad_holders"] == list(reply.bad_holders)

@@ -40,6 +40,7 @@ from swarm.runtime.worker import StageWorker
 
 SNAPSHOT_FORMAT = 1
 _NAME = re.compile(r"^stage(\d+)-step(\d+)-([0-9a-f]{64})\.snap$")
+_DIGEST = re.compile(r"[0-9a-f]{64}")
 
 
 def copied(obj: Any, device: torch.device | str = "cpu") -> Any:
@@ -209,6 +210,15 @@ class SnapshotStore:
             if m:
                 found.append(SnapshotFile(int(m[1]), int(m[2]), m[3], path))
         return sorted(found, key=lambda f: f.step)
+
+    def find(self, key: str) -> SnapshotFile | None:
+        """The snapshot file whose sha256 is ``key`` (not verified), if this store holds one."""
+        if not _DIGEST.fullmatch(key):
+            return None
+        for path in self.root.glob(f"stage*-step*-{key}.snap"):
+            if m := _NAME.match(path.name):
+                return SnapshotFile(int(m[1]), int(m[2]), m[3], path)
+        return None
 
     def read(self, stage: int, step: int, key: str) -> bytes | None:
         """The verified bytes of that snapshot, or None if absent or corrupt (a corrupt file is removed)."""

@@ -161,6 +161,22 @@ class Metrics:
             buckets=SECONDS_BUCKETS,
             registry=r,
         )
+        self.snapshot_served_bytes = Counter(
+            "swarm_snapshot_served_bytes",
+            "Snapshot chunk bytes this node served to fetching peers",
+            registry=r,
+        )
+        self.snapshot_fetched_bytes = Counter(
+            "swarm_snapshot_fetched_bytes",
+            "Snapshot bytes this node fetched and verified, from peers or from the coordinator",
+            ["source"],
+            registry=r,
+        )
+        self.snapshot_bad_chunks = Counter(
+            "swarm_snapshot_bad_chunks",
+            "Snapshot chunks a holder served that failed their hash or size (fetched elsewhere)",
+            registry=r,
+        )
         self.checkpoint_bytes = Counter(
             "swarm_checkpoint_uploaded_bytes", "Snapshot bytes uploaded to the coordinator", registry=r
         )

@@ -71,6 +71,8 @@ def status_document(reply: cpb.StatusReply) -> dict:
         "subspace_version": reply.subspace_version,
         "plan_problems": list(reply.plan_problems),
         "relayed_links": list(reply.relayed_links),
+        "snapshot_holding": reply.snapshot_holding,
+        "bad_holders": list(reply.bad_holders),
         "rates": {
             "steps": r.steps,
             "loss": r.loss if r.HasField("loss") else None,
@@ -116,6 +118,8 @@ def render(reply: cpb.StatusReply, coordinator: str) -> str:
         f"epochs restarted {doc['epochs_restarted']}",
         *(f"  plan problem: {problem}" for problem in doc["plan_problems"]),
         *(f"  relayed: {link}" for link in doc["relayed_links"]),
+        *([f"  {doc['snapshot_holding']}"] if doc["snapshot_holding"] else []),
+        *(f"  bad snapshot holder: {line}" for line in doc["bad_holders"]),
         "",
     ]
     header = ("node", "name", "state", "phase", "stages", "inbound", "step", "tok/s", "heartbeat", "subspace")

@@ -75,32 +75,54 @@ class BoundaryLink(_message.Message):
     def __init__(self, boundary: _Optional[int] = ..., local_stage: _Optional[int] = ..., peer_node_id: _Optional[str] = ..., peer_address: _Optional[str] = ..., role: _Optional[_Union[LinkRole, str]] = ..., link_secret: _Optional[str] = ..., peer_certificate: _Optional[str] = ..., relay_address: _Optional[str] = ...) -> None: ...
 
 class StageCheckpoint(_message.Message):
-    __slots__ = ("stage", "step", "digest", "size")
+    __slots__ = ("stage", "step", "digest", "size", "chunk_bytes", "chunk_sha256", "holders", "at_coordinator")
     STAGE_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
     SIZE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SHA256_FIELD_NUMBER: _ClassVar[int]
+    HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    AT_COORDINATOR_FIELD_NUMBER: _ClassVar[int]
     stage: int
     step: int
     digest: str
     size: int
-    def __init__(self, stage: _Optional[int] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ...) -> None: ...
+    chunk_bytes: int
+    chunk_sha256: bytes
+    holders: _containers.RepeatedCompositeFieldContainer[SnapshotHolder]
+    at_coordinator: bool
+    def __init__(self, stage: _Optional[int] = ..., step: _Optional[int] = ..., digest: _Optional[str] = ..., size: _Optional[int] = ..., chunk_bytes: _Optional[int] = ..., chunk_sha256: _Optional[bytes] = ..., holders: _Optional[_Iterable[_Union[SnapshotHolder, _Mapping]]] = ..., at_coordinator: _Optional[bool] = ...) -> None: ...
+
+class SnapshotHolder(_message.Message):
+    __slots__ = ("node_id", "address", "certificate", "access")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    CERTIFICATE_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    address: str
+    certificate: str
+    access: str
+    def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., certificate: _Optional[str] = ..., access: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "stages", "links", "resume_step", "restore", "replicas")
+    __slots__ = ("epoch", "stages", "links", "resume_step", "restore", "replicas", "upload_snapshots")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
     RESUME_STEP_FIELD_NUMBER: _ClassVar[int]
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    UPLOAD_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     stages: _containers.RepeatedScalarFieldContainer[int]
     links: _containers.RepeatedCompositeFieldContainer[BoundaryLink]
     resume_step: int
     restore: _containers.RepeatedCompositeFieldContainer[StageCheckpoint]
     replicas: _containers.RepeatedCompositeFieldContainer[StageReplicas]
-    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., resume_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageReplicas, _Mapping]]] = ...) -> None: ...
+    upload_snapshots: bool
+    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., resume_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageReplicas, _Mapping]]] = ..., upload_snapshots: _Optional[bool] = ...) -> None: ...
 
 class StageReplica(_message.Message):
     __slots__ = ("node_id", "microbatches", "averaging_address")
@@ -121,7 +143,7 @@ class StageReplicas(_message.Message):
     def __init__(self, stage: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[StageReplica, _Mapping]]] = ...) -> None: ...
 
 class JoinReply(_message.Message):
-    __slots__ = ("node_id", "run_id", "config_json", "config_hash", "embedding_digest", "embedding_size", "subspace_version", "heartbeat_interval_ms", "dht_initial_peers", "plan", "run_complete", "session", "reachable", "reachability")
+    __slots__ = ("node_id", "run_id", "config_json", "config_hash", "embedding_digest", "embedding_size", "subspace_version", "heartbeat_interval_ms", "dht_initial_peers", "plan", "run_complete", "session", "reachable", "reachability", "snapshot_access")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
@@ -136,6 +158,7 @@ class JoinReply(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
     REACHABILITY_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_ACCESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     run_id: str
     config_json: str
@@ -150,10 +173,11 @@ class JoinReply(_message.Message):
     session: str
     reachable: bool
     reachability: str
-    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ..., embedding_digest: _Optional[str] = ..., embedding_size: _Optional[int] = ..., subspace_version: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., session: _Optional[str] = ..., reachable: _Optional[bool] = ..., reachability: _Optional[str] = ...) -> None: ...
+    snapshot_access: str
+    def __init__(self, node_id: _Optional[str] = ..., run_id: _Optional[str] = ..., config_json: _Optional[str] = ..., config_hash: _Optional[str] = ..., embedding_digest: _Optional[str] = ..., embedding_size: _Optional[int] = ..., subspace_version: _Optional[int] = ..., heartbeat_interval_ms: _Optional[int] = ..., dht_initial_peers: _Optional[_Iterable[str]] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., session: _Optional[str] = ..., reachable: _Optional[bool] = ..., reachability: _Optional[str] = ..., snapshot_access: _Optional[str] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("node_id", "step", "phase", "plan_epoch", "tokens_per_second", "subspace_version", "averaging_address", "capacity_tokens_per_second", "hold_ms", "cut_requests", "run_complete")
+    __slots__ = ("node_id", "step", "phase", "plan_epoch", "tokens_per_second", "subspace_version", "averaging_address", "capacity_tokens_per_second", "hold_ms", "cut_requests", "run_complete", "keep_orders")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     PHASE_FIELD_NUMBER: _ClassVar[int]
@@ -165,6 +189,7 @@ class HeartbeatRequest(_message.Message):
     HOLD_MS_FIELD_NUMBER: _ClassVar[int]
     CUT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ORDERS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     step: int
     phase: NodePhase
@@ -176,10 +201,11 @@ class HeartbeatRequest(_message.Message):
     hold_ms: int
     cut_requests: int
     run_complete: bool
-    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., averaging_address: _Optional[str] = ..., capacity_tokens_per_second: _Optional[float] = ..., hold_ms: _Optional[int] = ..., cut_requests: _Optional[int] = ..., run_complete: _Optional[bool] = ...) -> None: ...
+    keep_orders: int
+    def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., averaging_address: _Optional[str] = ..., capacity_tokens_per_second: _Optional[float] = ..., hold_ms: _Optional[int] = ..., cut_requests: _Optional[int] = ..., run_complete: _Optional[bool] = ..., keep_orders: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "plan_epoch", "subspace_version", "plan", "run_complete", "cut_requests", "session")
+    __slots__ = ("known", "plan_epoch", "subspace_version", "plan", "run_complete", "cut_requests", "session", "keep_orders", "keep")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +213,8 @@ class HeartbeatReply(_message.Message):
     RUN_COMPLETE_FIELD_NUMBER: _ClassVar[int]
     CUT_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     SESSION_FIELD_NUMBER: _ClassVar[int]
+    KEEP_ORDERS_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
     known: bool
     plan_epoch: int
     subspace_version: int
@@ -194,7 +222,9 @@ class HeartbeatReply(_message.Message):
     run_complete: bool
     cut_requests: int
     session: str
-    def __init__(self, known: _Optional[bool] = ..., plan_epoch: _Optional[int] = ..., subspace_version: _Optional[int] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., cut_requests: _Optional[int] = ..., session: _Optional[str] = ...) -> None: ...
+    keep_orders: int
+    keep: _containers.RepeatedCompositeFieldContainer[StageCheckpoint]
+    def __init__(self, known: _Optional[bool] = ..., plan_epoch: _Optional[int] = ..., subspace_version: _Optional[int] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., cut_requests: _Optional[int] = ..., session: _Optional[str] = ..., keep_orders: _Optional[int] = ..., keep: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("node_id", "reason")
@@ -205,14 +235,18 @@ class LeaveRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class CheckpointReport(_message.Message):
-    __slots__ = ("node_id", "plan_epoch", "checkpoint")
+    __slots__ = ("node_id", "plan_epoch", "checkpoint", "kept", "bad_holder")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    KEPT_FIELD_NUMBER: _ClassVar[int]
+    BAD_HOLDER_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     plan_epoch: int
     checkpoint: StageCheckpoint
-    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., checkpoint: _Optional[_Union[StageCheckpoint, _Mapping]] = ...) -> None: ...
+    kept: bool
+    bad_holder: str
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., checkpoint: _Optional[_Union[StageCheckpoint, _Mapping]] = ..., kept: _Optional[bool] = ..., bad_holder: _Optional[str] = ...) -> None: ...
 
 class CheckpointAck(_message.Message):
     __slots__ = ("latest_cut",)
@@ -437,7 +471,7 @@ class NodeStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_name: _Optional[str] = ..., address: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., last_heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., device: _Optional[str] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., left: _Optional[bool] = ..., last_stages: _Optional[_Iterable[int]] = ..., reachable: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps", "plan_epoch", "resume_step", "latest_cut", "run_complete", "epochs_restarted", "rates", "plan_problems", "relayed_links")
+    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps", "plan_epoch", "resume_step", "latest_cut", "run_complete", "epochs_restarted", "rates", "plan_problems", "relayed_links", "snapshot_holding", "bad_holders")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -453,6 +487,8 @@ class StatusReply(_message.Message):
     RATES_FIELD_NUMBER: _ClassVar[int]
     PLAN_PROBLEMS_FIELD_NUMBER: _ClassVar[int]
     RELAYED_LINKS_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_HOLDING_FIELD_NUMBER: _ClassVar[int]
+    BAD_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     subspace_version: int
@@ -468,7 +504,9 @@ class StatusReply(_message.Message):
     rates: RunRates
     plan_problems: _containers.RepeatedScalarFieldContainer[str]
     relayed_links: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., latest_cut: _Optional[int] = ..., run_complete: _Optional[bool] = ..., epochs_restarted: _Optional[int] = ..., rates: _Optional[_Union[RunRates, _Mapping]] = ..., plan_problems: _Optional[_Iterable[str]] = ..., relayed_links: _Optional[_Iterable[str]] = ...) -> None: ...
+    snapshot_holding: str
+    bad_holders: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., latest_cut: _Optional[int] = ..., run_complete: _Optional[bool] = ..., epochs_restarted: _Optional[int] = ..., rates: _Optional[_Union[RunRates, _Mapping]] = ..., plan_problems: _Optional[_Iterable[str]] = ..., relayed_links: _Optional[_Iterable[str]] = ..., snapshot_holding: _Optional[str] = ..., bad_holders: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunRates(_message.Message):
     __slots__ = ("steps", "loss", "tokens_per_second", "bytes_per_token", "compression_ratio")

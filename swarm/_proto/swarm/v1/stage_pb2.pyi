@@ -33,6 +33,26 @@ ERROR_CODE_SHUTTING_DOWN: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 ERROR_CODE_PLAN_EPOCH: ErrorCode
 
+class SnapshotRequest(_message.Message):
+    __slots__ = ("digest", "chunk_bytes", "chunks", "access")
+    DIGEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_FIELD_NUMBER: _ClassVar[int]
+    digest: str
+    chunk_bytes: int
+    chunks: _containers.RepeatedScalarFieldContainer[int]
+    access: str
+    def __init__(self, digest: _Optional[str] = ..., chunk_bytes: _Optional[int] = ..., chunks: _Optional[_Iterable[int]] = ..., access: _Optional[str] = ...) -> None: ...
+
+class SnapshotChunk(_message.Message):
+    __slots__ = ("index", "data")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    data: bytes
+    def __init__(self, index: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class StageMessage(_message.Message):
     __slots__ = ("hello", "activation", "gradient", "sync", "error")
     HELLO_FIELD_NUMBER: _ClassVar[int]

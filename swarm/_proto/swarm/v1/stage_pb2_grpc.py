@@ -44,6 +44,11 @@ class StageStub:
                 request_serializer=swarm_dot_v1_dot_stage__pb2.PingRequest.SerializeToString,
                 response_deserializer=swarm_dot_v1_dot_stage__pb2.PingReply.FromString,
                 _registered_method=True)
+        self.FetchSnapshot = channel.unary_stream(
+                '/swarm.v1.Stage/FetchSnapshot',
+                request_serializer=swarm_dot_v1_dot_stage__pb2.SnapshotRequest.SerializeToString,
+                response_deserializer=swarm_dot_v1_dot_stage__pb2.SnapshotChunk.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -64,6 +69,16 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchSnapshot(self, request, context):
+        """Chunks of a stage snapshot this node holds, in the order asked. The caller checks each against
+        the manifest the coordinator gave it (coordinator.proto StageCheckpoint) and takes a chunk that
+        fails from another holder. Refused (PERMISSION_DENIED) without this holder's access secret,
+        NOT_FOUND for a snapshot this node does not hold, INVALID_ARGUMENT for a chunk it does not have.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -76,6 +91,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.Ping,
                     request_deserializer=swarm_dot_v1_dot_stage__pb2.PingRequest.FromString,
                     response_serializer=swarm_dot_v1_dot_stage__pb2.PingReply.SerializeToString,
+            ),
+            'FetchSnapshot': grpc.unary_stream_rpc_method_handler(
+                    servicer.FetchSnapshot,
+                    request_deserializer=swarm_dot_v1_dot_stage__pb2.SnapshotRequest.FromString,
+                    response_serializer=swarm_dot_v1_dot_stage__pb2.SnapshotChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -132,6 +152,33 @@ class Stage:
             '/swarm.v1.Stage/Ping',
             swarm_dot_v1_dot_stage__pb2.PingRequest.SerializeToString,
             swarm_dot_v1_dot_stage__pb2.PingReply.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchSnapshot(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/swarm.v1.Stage/FetchSnapshot',
+            swarm_dot_v1_dot_stage__pb2.SnapshotRequest.SerializeToString,
+            swarm_dot_v1_dot_stage__pb2.SnapshotChunk.FromString,
             options,
             channel_credentials,
             insecure,

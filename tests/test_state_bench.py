@@ -1,0 +1,28 @@
+"""The `state` benchmark section, small: restores from 1 and 2 paced holders, and the pause per snapshot."""
+
+from __future__ import annotations
+
+from bench import state
+from swarm.core.config import MODEL_PRESETS, TrainConfig
+
+
+def test_the_state_section_restores_from_holders_and_measures_the_pause():
+    plan = state.StatePlan(
+        MODEL_PRESETS["tiny"],
+        TrainConfig(batch_size=4, seq_len=32, microbatches=2),
+        n_stages=2,
+        steps=3,
+        state_bytes=12 << 20,
+        holder_mbps=200.0,
+        holders=(1, 2),
+    )
+    r = state.run(plan)
+    one, two = r["restore"]
+    assert (one["holders"], two["holders"]) == (1, 2)
+    assert one["coordinator_bytes"] == two["coordinator_bytes"] == 0
+    assert two["seconds"] < one["seconds"]  # two holders' uplinks serve it side by side
+    assert one["ratio_to_ideal"] >= 0.9 and two["ratio_to_ideal"] >= 0.9  # the pacing holds
+    pause = r["pause"]
+    assert 0 < pause["pause_seconds_per_stage"] < pause["step_seconds"] and pause["copy_seconds"] > 0
+    text = "\n".join(state.section(r))
+    assert "## Stage state" in text and "| 2 | 13 MB | 200 Mbit/s |" in text
