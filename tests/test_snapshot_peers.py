@@ -14,6 +14,8 @@ from pathlib import Path
 
 import grpc
 import pytest
+from swarm.node import keeper as keeper_module
+from swarm.node.keeper import Keeper
 from swarm.node.snapshot_fetch import FetchFailed, SnapshotFetcher
 from swarm.node.snapshot_server import SnapshotServer
 from swarm.node.stage_service import StageService
@@ -220,3 +222,39 @@ def test_a_holder_that_lost_its_own_copy_reports_itself_and_fetches_from_the_oth
 
     assert run(scenario()) == DATA
     assert fetching.bad == ["me"]  # the coordinator stops naming it: no epoch waits on a copy that is gone
+
+
+def test_a_keeper_retries_an_order_whose_holder_was_down_and_reports_it_holds_it(tmp_path, monkeypatch):
+    monkeypatch.setattr(keeper_module, "KEEP_RETRY_S", 0.2)
+    holder = Holder(tmp_path, "h")
+    fetching = Fetching(tmp_path / "k")
+    store = SnapshotStore(tmp_path / "k")
+
+    class Client:
+        node_id, keep, reports = "k", [], []
+
+        def report(self, method: str, request) -> None:
+            self.reports.append(request)
+
+    async def scenario() -> None:
+        client = Client()
+        async with holder.serving() as h:
+            address = h.address
+        order = reference([cpb.SnapshotHolder(node_id="h", address=address, access="secret-h")])
+        client.keep = [order]
+        keeper = Keeper(fetching.fetcher, store, client)
+        keeper.take([order])  # its holder is down: the first fetch fails
+        await asyncio.sleep(0.1)
+        assert not client.reports
+        async with holder.serving() as h:  # back, at another port: the order lists it anew
+            client.keep = [reference([h])]
+            for _ in range(100):
+                if client.reports:
+                    break
+                await asyncio.sleep(0.1)
+        await keeper.close()
+        (report,) = client.reports
+        assert report.kept and report.checkpoint.digest == order.digest
+
+    run(scenario())
+    assert store.find(reference([]).digest) is not None
