@@ -118,9 +118,9 @@ def test_failover_past_a_dead_mirror_and_a_corrupt_one(corpus: tuple[Path, Manif
     raw = bytearray((bad / shard.name).read_bytes())
     raw[HEADER.size + 5] ^= 0xFF
     (bad / shard.name).write_bytes(bytes(raw))
-    dead = DataServer(folder)
-    dead.close()  # nothing listens there any more
     with DataServer(folder) as good:
+        dead = DataServer(folder)  # opened after the good one, so never on its port
+        dead.close()  # nothing listens there any more
         reader = CorpusReader(f"{dead.url} {bad} {good.url}", manifest.corpus_id, tmp_path / "cache")
         assert np.array_equal(reader.block(shard, 0), on_disk(folder, manifest, shard, 0))
         assert reader.counters.refused == 2  # the dead mirror, then the corrupt block

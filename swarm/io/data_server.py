@@ -106,6 +106,6 @@ class _RangeHandler(BaseHTTPRequestHandler):
             left = end - start
             while left:
                 chunk = f.read(min(_CHUNK, left))
+                self.count(len(chunk))  # before sending: a client that has the bytes sees them counted
                 self.wfile.write(chunk)
                 left -= len(chunk)
-        self.count(end - start)
