@@ -78,8 +78,8 @@ class Checkpointer:
     async def _save(self, epoch: int, state: dict, pause_s: float, upload: bool) -> None:
         stage, step = state["stage"], state["step"]
         data = await asyncio.to_thread(checkpoint.to_bytes, state)
-        saved = await asyncio.to_thread(self.store.write, stage, step, data)
         manifest = await asyncio.to_thread(Manifest.of, stage, step, data, self.chunk_bytes)
+        saved = await asyncio.to_thread(self.store.write, stage, step, data, manifest.digest)
         where = "kept here"
         if upload:
             start = time.perf_counter()

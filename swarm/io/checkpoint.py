@@ -179,9 +179,10 @@ class SnapshotStore:
         self.root.mkdir(parents=True, exist_ok=True)
         self.keep = keep
 
-    def write(self, stage: int, step: int, data: bytes) -> SnapshotFile:
-        """Write atomically (temp file, fsync, rename, fsync the folder); prune older snapshots."""
-        key = digest(data)
+    def write(self, stage: int, step: int, data: bytes, key: str | None = None) -> SnapshotFile:
+        """Write atomically (temp file, fsync, rename, fsync the folder); prune older snapshots.
+        ``key``: the sha256 of ``data`` when the caller computed it already."""
+        key = key or digest(data)
         path = self.root / f"stage{stage}-step{step:010d}-{key}.snap"
         fd, tmp = tempfile.mkstemp(dir=self.root, prefix=".tmp-")
         try:

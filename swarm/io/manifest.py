@@ -35,9 +35,13 @@ class Manifest:
 
     @classmethod
     def of(cls, stage: int, step: int, data: bytes, chunk_bytes: int = CHUNK_BYTES) -> Manifest:
-        spans = range(0, len(data), chunk_bytes)
-        chunks = tuple(hashlib.sha256(data[o : o + chunk_bytes]).digest() for o in spans)
-        return cls(stage, step, hashlib.sha256(data).hexdigest(), len(data), chunk_bytes, chunks)
+        """The manifest of ``data``, read once (no copies of its chunks)."""
+        view, whole, chunks = memoryview(data), hashlib.sha256(), []
+        for offset in range(0, len(data), chunk_bytes):
+            part = view[offset : offset + chunk_bytes]
+            whole.update(part)
+            chunks.append(hashlib.sha256(part).digest())
+        return cls(stage, step, whole.hexdigest(), len(data), chunk_bytes, tuple(chunks))
 
     @classmethod
     def parse(
