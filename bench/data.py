@@ -52,11 +52,13 @@ class DataPlan:
     max_steps: int | None = None  # of the sampler's epoch (None: a whole epoch)
     repeats: int = 3  # prepare and the HF baseline each run this often; the fastest run counts
     memory_check: bool = True  # peak memory of the sampler on a synthetic 1 GB and 10 MB corpus
+    install: bool = True  # apt-get install the package when it is missing (the quick bench never does)
+    model_steps: int = 3  # timed training steps of the default model
 
 
-def setup() -> Path | None:
+def setup(install: bool = True) -> Path | None:
     """The package's documentation folder, installed with apt-get when missing and possible."""
-    if not DOC_ROOT.is_dir() and shutil.which("apt-get") and os.geteuid() == 0:
+    if install and not DOC_ROOT.is_dir() and shutil.which("apt-get") and os.geteuid() == 0:
         env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
         cmd = ["apt-get", "install", "-y", "--no-install-recommends", PACKAGE]
         subprocess.run(cmd, env=env, timeout=1800, capture_output=True, check=False)
@@ -191,9 +193,11 @@ def _model_step_s(steps: int = 3) -> float:
 
 def run(plan: DataPlan, work: Path) -> dict:
     """The section's measurements (or ``{"skipped": why}``)."""
-    root = setup()
+    root = setup(plan.install)
     if root is None:
-        return {"skipped": f"{PACKAGE} is not installed and could not be (apt-get missing or not root)"}
+        how = "`python -m bench.data` installs it"
+        why = "could not be (no apt-get, or not root)" if plan.install else how
+        return {"skipped": f"{PACKAGE} is not installed and {why}"}
     shutil.rmtree(work, ignore_errors=True)
     raw, out = work / "raw", work / "corpus"
     raw_bytes = raw_folder(root, raw, None if plan.max_mb is None else plan.max_mb * 2**20)
@@ -233,7 +237,7 @@ def run(plan: DataPlan, work: Path) -> dict:
         rss_after = _rss_mb()
     used = steps * plan.batch_size * (plan.seq_len + 1) * manifest.itemsize
     fetched = reader.counters.bytes_fetched - len(manifest.to_json())
-    step_s = _model_step_s()
+    step_s = _model_step_s(plan.model_steps)
     flat = memory_flat(work / "memory") if plan.memory_check else None
     return {
         "package": PACKAGE,
@@ -323,7 +327,7 @@ def section(r: dict) -> list[str]:
 if __name__ == "__main__":
     quick = "--quick" in sys.argv
     work = Path(os.environ.get("SWARM_BENCH_DATA_DIR", "/tmp/swarm-bench-data"))
-    quick_plan = DataPlan(max_mb=4, max_steps=200, repeats=1, memory_check=False)
+    quick_plan = DataPlan(max_mb=4, max_steps=200, repeats=1, memory_check=False, model_steps=1)
     result = run(quick_plan if quick else DataPlan(), work)
     print(json.dumps(result, indent=1))
     print("\n".join(section(result)))

@@ -147,7 +147,9 @@ def plan(quick: bool) -> BenchPlan:
             relay=relay.RelayPlan(
                 tiny, TrainConfig(steps=6, batch_size=4, seq_len=32, microbatches=2), megabytes=64
             ),
-            data=data_bench.DataPlan(max_mb=4, max_steps=200, repeats=1, memory_check=False),
+            data=data_bench.DataPlan(
+                max_mb=4, max_steps=200, repeats=1, memory_check=False, install=False, model_steps=1
+            ),
             state=state.StatePlan(
                 tiny,
                 TrainConfig(batch_size=4, seq_len=32, microbatches=2),
