@@ -49,6 +49,13 @@ class ModelConfig:
     # "mup", whose hyperparameters tuned at d_model = base_width carry over to other widths.
     parametrisation: str = "standard"
     base_width: int = 128
+    # A residual bottleneck (ResBM-like) at each stage boundary: the stream leaving a stage is
+    # ``(X - E_fixed[tok]) P`` (k = bottleneck_rank numbers per token), the next stage starts from
+    # ``E_fixed[tok] + Z Q``; P and Q are trained with the model, whose layers stay full-width.
+    # ``bottleneck_layers``: the layers the stream enters through one (RunConfig fills in its stage
+    # starts). 0: none.
+    bottleneck_rank: int = 0
+    bottleneck_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.parametrisation not in PARAMETRISATIONS:
@@ -57,6 +64,17 @@ class ModelConfig:
             )
         if self.base_width < 1:
             raise ValueError(f"model.base_width={self.base_width} must be >= 1")
+        self.bottleneck_layers = tuple(self.bottleneck_layers)
+        if not 0 <= self.bottleneck_rank <= self.d_model:
+            raise ValueError(
+                f"model.bottleneck_rank={self.bottleneck_rank} must lie in [0, d_model={self.d_model}]"
+            )
+        if self.bottleneck_rank and self.constrained:
+            raise ValueError("model.bottleneck_rank needs an unconstrained model (constrain_writes = false)")
+        if any(not 0 < layer < self.n_layers for layer in self.bottleneck_layers):
+            raise ValueError(
+                f"model.bottleneck_layers={self.bottleneck_layers} must lie in (0, {self.n_layers})"
+            )
         if self.d_model % self.n_heads or (self.d_model // self.n_heads) % 2:
             raise ValueError(f"d_model={self.d_model} must split into {self.n_heads} heads of even size")
         if not 0 <= self.subspace_rank <= self.d_model:
@@ -69,6 +87,11 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def boundary_width(self) -> int:
+        """Numbers per token of the residual stream between stages: the bottleneck's rank, else d."""
+        return self.bottleneck_rank or self.d_model
 
     @property
     def constrained(self) -> bool:
@@ -299,8 +322,14 @@ SYNC_FORMATS = ("fp64", "fp32", "bf16", "int8")
 
 @dataclass
 class DataConfig:
+    """The run's corpus. ``source``: a raw corpus (a text file, a folder of .txt/.md/.jsonl, a JSONL
+    file; ``None``: the bundled plays) tokenised by ``tokenizer``, or a prepared corpus (``swarm data
+    prepare``): its folder or the base URLs of its mirrors, whitespace-separated, tried in order.
+    ``corpus``: the prepared corpus's id, which its manifest must hash to (needed with URLs)."""
+
     source: str | None = None
     tokenizer: str = "bpe"
+    corpus: str | None = None
 
 
 @dataclass
@@ -334,6 +363,7 @@ class RunConfig:
             )
         self._check_replicas()
         self._check_growth()
+        self._place_bottlenecks()
         last_start, _ = stage_layer_ranges(self.model.n_layers, self.n_stages)[-1]
         if self.model.full_rank_layers > self.model.n_layers - last_start:
             raise ValueError(
@@ -348,6 +378,24 @@ class RunConfig:
         if self.emulation.profile:
             load_profile(self.emulation.profile)
             self._check_emulable()
+
+    def _place_bottlenecks(self) -> None:
+        """A bottleneck model has a bottleneck at every stage start (filled in when not given); more, inside
+        stages, keep the architecture of a run split differently (one stage holding the whole model)."""
+        if not self.model.bottleneck_rank:
+            return
+        starts = tuple(start for start, _ in stage_layer_ranges(self.model.n_layers, self.n_stages)[1:])
+        if not self.model.bottleneck_layers:
+            self.model = dataclasses.replace(self.model, bottleneck_layers=starts)
+        elif not set(starts) <= set(self.model.bottleneck_layers):
+            raise ValueError(
+                f"model.bottleneck_layers={self.model.bottleneck_layers} must include the stage "
+                f"starts {starts}"
+            )
+        if self.codec.kind != "identity":
+            raise ValueError(
+                f"a bottleneck model sends its k numbers through codec 'identity', not {self.codec.kind!r}"
+            )
 
     def _check_replicas(self) -> None:
         t, c = self.train, self.codec
@@ -438,6 +486,8 @@ def _toml_value(value: Any) -> str:
         return "true" if value else "false"
     if isinstance(value, (int, float)):
         return repr(value)
+    if isinstance(value, (list, tuple)):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return json.dumps(str(value))
 
 

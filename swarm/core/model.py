@@ -172,6 +172,27 @@ class Block(nn.Module):
         return x + self.mlp(self.mlp_norm(x), basis)
 
 
+class Bottleneck(nn.Module):
+    """The residual bottleneck the stream passes on entering layer ``layer`` (ResBM-like).
+
+    ``down`` (k x d) maps ``X - E_fixed[tok]`` to the k numbers that cross the boundary; ``up``
+    (d x k) lifts them back onto ``E_fixed[tok]``. A stage holds ``down`` when it ends at the
+    bottleneck and ``up`` when it starts there; the whole model holds both. Both start as one
+    orthonormal basis (``up = down^T``: a projection onto a random k-dimensional subspace).
+    """
+
+    def __init__(self, d_model: int, rank: int, down: bool, up: bool):
+        super().__init__()
+        self.down = nn.Linear(d_model, rank, bias=False) if down else None
+        self.up = nn.Linear(rank, d_model, bias=False) if up else None
+
+    def project(self, x: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return self.down(x - anchor)
+
+    def lift(self, z: torch.Tensor, anchor: torch.Tensor) -> torch.Tensor:
+        return anchor + self.up(z)
+
+
 class TokenEmbedding(nn.Module):
     """``E_fixed[tok] + E_low[tok]``: frozen full-rank part plus a trainable part.
 
@@ -228,6 +249,15 @@ class Stage(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(config, i, rank) for i in range(start, end)})
         self.norm = RMSNorm(config.d_model, config.norm_eps) if self.is_last else None
         self.head = nn.Linear(config.d_model, config.vocab_size, bias=False) if self.is_last else None
+        self.bottleneck = nn.ModuleDict(
+            {
+                str(b): Bottleneck(
+                    config.d_model, config.bottleneck_rank, down=start < b <= end, up=start <= b < end
+                )
+                for b in config.bottleneck_layers
+                if start <= b <= end
+            }
+        )
         init_parameters(self, seed)
 
     def forward(
@@ -241,13 +271,21 @@ class Stage(nn.Module):
         T = tokens.shape[1]
         if self.config.max_seq_len < past + T:
             raise ValueError(f"sequence length {past + T} exceeds max_seq_len={self.config.max_seq_len}")
+        anchor = self.fixed_embedding[tokens] if len(self.bottleneck) else None
         if self.embed is not None:
             x = self.embed(tokens, self.fixed_embedding, self.basis)
         elif x is None:
             raise ValueError(f"stage [{self.start}, {self.end}) needs the incoming residual stream")
+        elif str(self.start) in self.bottleneck:  # the k numbers that crossed the boundary
+            x = self.bottleneck[str(self.start)].lift(x, anchor.to(x.dtype))
         cos, sin = self.rope_cos[past : past + T].to(x.dtype), self.rope_sin[past : past + T].to(x.dtype)
         for i, block in self.layers.items():
             x = block(x, cos, sin, self.basis, cache.layer(int(i)) if cache is not None else None)
+            if str(int(i) + 1) in self.bottleneck:
+                bottleneck = self.bottleneck[str(int(i) + 1)]
+                x = bottleneck.project(x, anchor.to(x.dtype))
+                if bottleneck.up is not None:  # inside this stage: straight through to the next layer
+                    x = bottleneck.lift(x, anchor.to(x.dtype))
         if cache is not None:
             cache.length += T
         if self.head is not None and head:
@@ -282,6 +320,9 @@ def init_parameters(stage: Stage, seed: int) -> None:
         for name, p in stage.named_parameters():
             gen = torch.Generator().manual_seed(name_seed(seed, name))
             kind, rank = parameter_kind(stage, name)
+            if name.startswith("bottleneck."):  # both halves from one orthonormal basis per bottleneck
+                p.copy_(_bottleneck_basis(stage, name, seed).to(p.dtype).reshape(p.shape))
+                continue
             if kind in ("vector", "embedding"):  # norms start at one, the trainable embedding at zero
                 p.fill_(1.0 if name.endswith("norm.weight") else 0.0)
                 continue
@@ -291,10 +332,24 @@ def init_parameters(stage: Stage, seed: int) -> None:
             p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64).to(p.dtype) * sigma)
 
 
+def _bottleneck_basis(stage: Stage, name: str, seed: int) -> torch.Tensor:
+    """The orthonormal d x k basis a bottleneck starts from, as ``name`` holds it (down: k x d)."""
+    layer = name.split(".")[1]
+    gen = torch.Generator().manual_seed(name_seed(seed, f"bottleneck.{layer}"))
+    q, r = torch.linalg.qr(
+        torch.randn(stage.config.d_model, stage.config.bottleneck_rank, generator=gen, dtype=torch.float64)
+    )
+    q = q * torch.sign(torch.diagonal(r))
+    return q.T if ".down." in name else q
+
+
 def parameter_kind(stage: Stage, name: str) -> tuple[str, int]:
     """What parameter ``name`` of ``stage`` is, for :func:`swarm.core.width.parameter_scale`, and
-    the rank of the basis it lives in (the run's first rank; 0: not constrained)."""
+    the rank of the basis it lives in (the run's first rank; 0: not constrained). A bottleneck's
+    ``down`` (fan-in d) is hidden; its ``up`` (fan-in k, fixed) trains like a vector."""
     config = stage.config
+    if name.startswith("bottleneck."):
+        return ("hidden" if ".down." in name else "vector"), 0
     if name == "embed.low":
         return "embedding", config.subspace_rank if config.constrained else 0
     if name == "head.weight":

@@ -128,8 +128,8 @@ class StageWorker:
         cfg, model = self.config.codec, self.config.model
         if isinstance(self.stage, EmulatedStage):  # its wait stands for the maps: coordinates pass through
             bmap = IdentityMap(self.stage.width)
-        elif cfg.kind == "identity":
-            bmap = IdentityMap(model.d_model)
+        elif cfg.kind == "identity":  # the residual stream, or a bottleneck model's k numbers
+            bmap = IdentityMap(model.boundary_width)
         elif cfg.kind == "subspace":
             bmap = SubspaceMap(self.stage.fixed_embedding, self.basis)
         elif cfg.kind == "mapl":

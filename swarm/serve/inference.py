@@ -109,6 +109,8 @@ def inference_codec(
     """The codec of every boundary of a served model (both sides build the same one); ``tensors``:
     the embedding and basis to use (default: the model's, on the CPU)."""
     m, t = trained.config.model, tensors or trained.tensors
+    if m.bottleneck_rank:
+        raise ValueError("generation through a swarm does not serve bottleneck models yet: generate locally")
     subspace = boundary == "subspace"
     bmap = SubspaceMap(t["fixed_embedding"], t["basis"]) if subspace else IdentityMap(m.d_model)
     codec_config = dataclasses.replace(trained.config.codec, forward_format=tensor_format, zstd_level=0)
