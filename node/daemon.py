@@ -52,6 +52,7 @@ from swarm.core.device import pick_device
 from swarm.io.artifacts import ArtifactCache, matrix_from_bytes
 from swarm.io.checkpoint import SnapshotStore
 from swarm.io.data import TokenDataset, load_dataset
+from swarm.io.prepared import PreparedDataset
 from swarm.net.channel import server_options
 from swarm.net.discovery import (
     RECORD_TTL_S,
@@ -117,7 +118,7 @@ class NodeDaemon:
         self._cuts_taken = 0
         self._final_cut: int | None = None  # the cut this node stopped at to leave
         self._dataset_lock = threading.Lock()  # builds run in threads; a cancelled one may still load
-        self._loaded_dataset: TokenDataset | None = None
+        self._loaded_dataset: TokenDataset | PreparedDataset | None = None
         self._tasks: list[asyncio.Task] = []
         self._boundaries_opened: set[int] = set()  # by every epoch so far (reconnect metric)
         self._averagers: dict[int, ReplicaAverager] = {}  # per stage replicated here, on the DHT's P2P
@@ -432,7 +433,7 @@ class NodeDaemon:
             return True
         return False
 
-    def _dataset(self) -> TokenDataset:
+    def _dataset(self) -> TokenDataset | PreparedDataset:
         """The run's dataset, loaded on first use (stage 0 only), once even if epochs overlap."""
         with self._dataset_lock:
             if self._loaded_dataset is None:

@@ -32,7 +32,9 @@ from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
 from swarm.core.config import RunConfig
 from swarm.core.subspace import initial_basis
 from swarm.io import checkpoint
-from swarm.io.data import BatchSampler, TokenDataset, batch_ids
+from swarm.io.checkpoint import Sampler
+from swarm.io.data import TokenDataset, batch_ids
+from swarm.io.prepared import PreparedDataset
 from swarm.ops.logs import say
 from swarm.ops.metrics import Metrics
 from swarm.runtime.norm_guard import NormBound
@@ -75,7 +77,7 @@ class StageHost:
         checkpointer: Checkpointer,
         fetcher: SnapshotFetcher,
         metrics: Metrics,
-        dataset: Callable[[], TokenDataset],
+        dataset: Callable[[], TokenDataset | PreparedDataset],
         timeouts: Timeouts,
         averaging_for: AveragingFactory | None = None,
         own: OwnStates | None = None,
@@ -89,7 +91,7 @@ class StageHost:
         # the stages this node leads (the first replica): it reports their steps, statistics, snapshots
         self.leads = {e.stage for e in plan.replicas if e.replicas and e.replicas[0].node_id == self.node_id}
         self.runners: dict[int, StageRunner] = {}
-        self.sampler: BatchSampler | None = None
+        self.sampler: Sampler | None = None
         self.last_cut: int | None = None  # the last step snapshotted in this epoch
 
     @property
@@ -146,7 +148,7 @@ class StageHost:
             )
             sampler = None
             if worker.is_first:
-                sampler = BatchSampler(self.dataset().train, t.batch_size, t.seq_len, t.seed)
+                sampler = self.dataset().sampler(t.batch_size, t.seq_len, t.seed)
                 self.sampler = sampler
             state = own.get(s)
             if state is None and s in snapshots:
@@ -175,7 +177,7 @@ class StageHost:
                 averaging,
             )
 
-    def _batches(self, sampler: BatchSampler) -> Callable[[int], torch.Tensor]:
+    def _batches(self, sampler: Sampler) -> Callable[[int], torch.Tensor]:
         expected = [self.plan.resume_step]
 
         def batch_for_step(step: int) -> torch.Tensor:

@@ -35,8 +35,11 @@ from swarm.core.config import config_hash
 from swarm.core.subspace import resize_rank
 from swarm.io.artifacts import digest
 from swarm.io.data import BatchSampler
+from swarm.io.prepared import CorpusSampler
 from swarm.runtime.outer_step import OuterStep
 from swarm.runtime.worker import StageWorker
+
+Sampler = BatchSampler | CorpusSampler  # the first stage's batches: a raw corpus's or a prepared one's
 
 SNAPSHOT_FORMAT = 1
 _NAME = re.compile(r"^stage(\d+)-step(\d+)-([0-9a-f]{64})\.snap$")
@@ -72,7 +75,7 @@ def _codebook_formats(worker: StageWorker) -> dict[str, ResidualVQ]:
     return {side: fmt for side in ("in", "out") if (fmt := worker.codebooks(side)) is not None}
 
 
-def capture(worker: StageWorker, step: int, sampler: BatchSampler | None = None) -> dict[str, Any]:
+def capture(worker: StageWorker, step: int, sampler: Sampler | None = None) -> dict[str, Any]:
     """The state of ``worker`` after optimizer step ``step`` (tensors copied to host memory)."""
     stat = worker.statistic
     state = {
@@ -121,7 +124,7 @@ def from_bytes(data: bytes, device: torch.device | str = "cpu") -> dict[str, Any
     return state
 
 
-def restore(worker: StageWorker, state: dict[str, Any], sampler: BatchSampler | None = None) -> int:
+def restore(worker: StageWorker, state: dict[str, Any], sampler: Sampler | None = None) -> int:
     """Load a :func:`capture` of the same stage and run into a freshly built worker; returns its step."""
     if state["config_hash"] != config_hash(worker.config) or state["stage"] != worker.index:
         raise PayloadError(
