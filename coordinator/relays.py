@@ -5,8 +5,10 @@ stream. The coordinator knows them from ``--relay HOST:PORT`` (a ``swarm-coordin
 process anywhere reachable), ``--relay-port P`` (one in its own process, planned as ``:P``: the
 nodes dial it at the host they reach the coordinator at) and from volunteers that offer one at
 Join (``swarm-node join --relay-port``), for as long as they stay in the run. It pings each every
-few seconds; a link goes through a relay that answered the last ping, chosen per pair of nodes by
-rendezvous hashing (load spreads, and when a relay dies or comes only its own pairs move).
+few seconds; a link goes through a relay that answers, chosen per pair of nodes by rendezvous
+hashing (load spreads, and when a relay dies or comes only its own pairs move). A relay counts as
+gone after :data:`MISSES_TO_DROP` pings in a row go unanswered, so one ping lost to a busy host does
+not move its links (and restart the epoch).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from swarm.net.relay import ping
 
 log = logging.getLogger("swarm.coordinator")
 PROBE_INTERVAL_S = 3.0
+MISSES_TO_DROP = 2  # consecutive unanswered pings before a relay's links move
 
 
 @dataclass(frozen=True)
@@ -34,12 +37,13 @@ class Relay:
 
 
 class RelayPool:
-    """The relays of a run, and which answered their last ping."""
+    """The relays of a run, and which answer (did not miss the last :data:`MISSES_TO_DROP` pings)."""
 
     def __init__(self, relays: list[Relay] | None = None):
         self.relays = list(relays or [])
         self.alive: list[str] = []  # planned addresses, in the order given
         self._avoided: dict[tuple[str, str], set[str]] = {}  # (upstream, downstream) -> relays that failed it
+        self._misses: dict[str, int] = {}  # planned address -> pings in a row it did not answer
         self._probing = asyncio.Lock()  # one probe at a time: a slow one cannot undo a newer one
 
     def add(self, relay: Relay) -> None:
@@ -72,11 +76,19 @@ class RelayPool:
             relays = list(self.relays)  # add() and drop() may change the list while pings run
             answers = await asyncio.gather(*(ping(r.probed) for r in relays))
             known = {r.planned for r in self.relays}  # dropped meanwhile: not alive, whatever it said
-            alive = [r.planned for r, ok in zip(relays, answers, strict=True) if ok and r.planned in known]
             for relay, ok in zip(relays, answers, strict=True):
-                if ok != (relay.planned in self.alive):
-                    (log.info if ok else log.warning)(
-                        "relay %s %s", relay.planned, "answers" if ok else "does not answer: its links move"
+                self._misses[relay.planned] = 0 if ok else self._misses.get(relay.planned, 0) + 1
+            alive = [
+                r.planned
+                for r, ok in zip(relays, answers, strict=True)
+                if r.planned in known
+                and (ok or (r.planned in self.alive and self._misses[r.planned] < MISSES_TO_DROP))
+            ]
+            for relay in relays:
+                if (relay.planned in alive) != (relay.planned in self.alive):
+                    up = relay.planned in alive
+                    (log.info if up else log.warning)(
+                        "relay %s %s", relay.planned, "answers" if up else "does not answer: its links move"
                     )
             changed, self.alive = alive != self.alive, alive
             return changed

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from swarm.coordinator.relays import Relay, RelayPool
 from swarm.node.links import LinkError, StageLink, dial
 
 from swarm._proto.swarm.v1 import coordinator_pb2
@@ -112,6 +113,24 @@ def test_ping_tells_a_live_relay_from_a_closed_port():
         return alive, await ping(f"127.0.0.1:{port}", timeout=1)
 
     assert run(scenario()) == (True, False)
+
+
+def test_a_relay_counts_as_gone_only_after_two_missed_pings_in_a_row():
+    """One ping lost to a busy host must not move a relay's links (a new epoch); two in a row do."""
+
+    async def scenario() -> list[tuple[bool, list[str]]]:
+        seen = []
+        async with RelayServer() as server:
+            address = f"127.0.0.1:{await server.start()}"
+            pool = RelayPool([Relay(address, address)])
+            seen.append((await pool.probe(), list(pool.alive)))
+        for _ in range(3):  # the relay is closed now
+            seen.append((await pool.probe(), list(pool.alive)))
+        return seen
+
+    [(came, alive), *missed] = run(scenario())
+    address = alive[0]
+    assert came and missed == [(False, [address]), (True, []), (False, [])]
 
 
 def test_bad_headers_unpaired_diallers_and_a_full_parking_are_refused_and_counted():
@@ -364,7 +383,7 @@ def test_two_dial_only_nodes_train_through_the_coordinators_relay_over_mutual_tl
                 assert n.wait(5) == 0, n.output()
             final = stub.Status(coordinator_pb2.StatusRequest(), timeout=5)
     assert_reproduces(final, reference)
-    assert final.epochs_restarted == 0 and not final.plan_problems
+    assert final.epochs_restarted == 0 and not final.plan_problems, running[0].output()
     up, down = sorted(nodes, key=lambda n: stages_of(final, n))  # whoever joined first has stage 0
     assert relayed == {f"boundary 0: {up.log.stem} -> {down.log.stem} through relay :{relay_port}"}
     relay_at = f"through relay {address.rpartition(':')[0]}:{relay_port}"
