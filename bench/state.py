@@ -91,7 +91,10 @@ def _median(values: list[float]) -> float:
 
 
 @contextlib.asynccontextmanager
-async def _holder(folder: Path, name: str, data: bytes, mbps: float) -> AsyncIterator[cpb.SnapshotHolder]:
+async def _holder(
+    folder: Path, name: str, data: bytes, mbps: float
+) -> AsyncIterator[tuple[cpb.SnapshotHolder, Metrics]]:
+    """A holder of ``data`` serving it over gRPC at ``mbps``; its address and its metrics."""
     store = SnapshotStore(folder / name)
     await asyncio.to_thread(store.write, 1, 9, data)
     service = StageService(Metrics("node"))
@@ -102,7 +105,7 @@ async def _holder(folder: Path, name: str, data: bytes, mbps: float) -> AsyncIte
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        yield cpb.SnapshotHolder(node_id=name, address=f"127.0.0.1:{port}", access=name)
+        yield cpb.SnapshotHolder(node_id=name, address=f"127.0.0.1:{port}", access=name), service.metrics
     finally:
         await server.stop(0)
 
@@ -113,10 +116,13 @@ async def _restore(p: StatePlan, holders: int) -> dict:
     with tempfile.TemporaryDirectory(prefix="swarm-state-") as tmp:
         folder = Path(tmp)
         async with contextlib.AsyncExitStack() as stack:
-            named = [
-                await stack.enter_async_context(_holder(folder, f"holder{i}", data, p.holder_mbps))
-                for i in range(holders)
-            ]
+            named, served = zip(
+                *[
+                    await stack.enter_async_context(_holder(folder, f"holder{i}", data, p.holder_mbps))
+                    for i in range(holders)
+                ],
+                strict=True,
+            )
             ref = cpb.StageCheckpoint(
                 stage=1,
                 step=9,
@@ -137,6 +143,7 @@ async def _restore(p: StatePlan, holders: int) -> dict:
             start = time.perf_counter()
             restored = await fetcher.fetch(ref)
             seconds = time.perf_counter() - start
+            served_bytes = [int(m.snapshot_served_bytes._value.get()) for m in served]
     if restored != data:
         raise RuntimeError("the restored snapshot differs from the one held")
     ideal = p.state_bytes * 8 / (holders * p.holder_mbps * 1e6)
@@ -147,6 +154,7 @@ async def _restore(p: StatePlan, holders: int) -> dict:
         "seconds": seconds,
         "ideal_seconds": ideal,
         "ratio_to_ideal": seconds / ideal,
+        "served_bytes": served_bytes,  # per holder
         "coordinator_bytes": metrics.snapshot_fetched_bytes.labels(source="coordinator")._value.get(),
     }
 

@@ -55,6 +55,13 @@ class _Fetch:
     tries: dict[str, int]
     queue: collections.deque[int] = field(default_factory=collections.deque)
     served: collections.Counter[str] = field(default_factory=collections.Counter)
+    drainers: int = 1  # holders drawing from the queue at once
+
+    def take(self) -> list[int]:
+        """The chunks of one request: up to :data:`CHUNKS_PER_CALL`, and no more than an even share
+        of the queue, so a small snapshot still comes from every holder."""
+        n = min(CHUNKS_PER_CALL, -(-len(self.queue) // self.drainers))
+        return [self.queue.popleft() for _ in range(n)]
 
 
 def manifest_of(ref: cpb.StageCheckpoint) -> Manifest:
@@ -135,6 +142,7 @@ class SnapshotFetcher:
                     "and no holder left to fetch them from"
                 )
             fetch.queue.extend(missing)
+            fetch.drainers = len(live)
             await asyncio.gather(*(self._drain(fetch, h) for h in live))
         data = await asyncio.to_thread(fetch.partial.assemble)
         shares = ", ".join(f"{n[:8]} {b / 1e6:.1f} MB" for n, b in fetch.served.items())
@@ -151,7 +159,7 @@ class SnapshotFetcher:
         ) as channel:
             stub = stage_pb2_grpc.StageStub(channel)
             while fetch.queue and fetch.tries[holder.node_id] > 0:
-                asked = [fetch.queue.popleft() for _ in range(min(CHUNKS_PER_CALL, len(fetch.queue)))]
+                asked = fetch.take()
                 try:
                     await self._call(stub, fetch, holder, asked)
                 except ChunkError as e:
