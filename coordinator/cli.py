@@ -2,10 +2,11 @@
 
 Once it serves, the command prints exactly one line on stdout::
 
-    coordinator listening on HOST:PORT metrics=PORT run=RUN_ID [relay=PORT]
+    coordinator listening on HOST:PORT metrics=PORT run=RUN_ID [relay=PORT] [data=URL]
 
 (``metrics=-1`` when ``--metrics-port -1`` disables the HTTP endpoint, which serves
-``/metrics``, ``/healthz`` and the run as JSON at ``/status``; ``relay=`` with ``--relay-port``)
+``/metrics``, ``/healthz`` and the run as JSON at ``/status``; ``relay=`` with ``--relay-port``;
+``data=`` with ``--data``: the base URL nodes fetch the prepared corpus from)
 and runs until SIGINT or
 SIGTERM, then stops the gRPC server with a grace period, shuts the DHT
 down, closes the state file and exits 0. Everything else goes to stderr.
@@ -35,6 +36,7 @@ from swarm.coordinator.state import CoordinatorState
 from swarm.coordinator.tokens import JoinTokens
 
 from swarm.core.config import RunConfig
+from swarm.io.data_server import DataServer
 from swarm.launch.argv import command_line
 from swarm.net import join_token, tls
 from swarm.net.netaddr import is_wildcard
@@ -96,6 +98,13 @@ def build_parser() -> argparse.ArgumentParser:
         "node is placed as dial-only (0: no dial-back, announced addresses are trusted)",
     )
     serve.add_argument(
+        "--snapshot-keepers",
+        type=int,
+        default=CoordinatorSettings.snapshot_keepers,
+        help="nodes besides its host that keep each stage snapshot (fetched from its holders; the "
+        "coordinator keeps manifests only); 0: snapshots are uploaded to the coordinator",
+    )
+    serve.add_argument(
         "--relay-port",
         type=int,
         help="also run a relay on --host at this port (0: a free one) for links neither of whose nodes "
@@ -109,6 +118,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a `swarm-coordinator relay` to plan such links through (repeatable)",
     )
     add_relay_limits(serve)
+    serve.add_argument(
+        "--data",
+        metavar="DIR",
+        help="serve this prepared corpus (swarm data prepare) over HTTP with Range requests on --host; "
+        "name its URL (printed as data=) in the run's data.source",
+    )
+    serve.add_argument("--data-port", type=int, default=0, help="port of --data (0: a free one)")
     serve.add_argument("--log-format", choices=logs.FORMATS, default="text", help="text lines or JSON lines")
     tls.add_arguments(serve)
     relay = sub.add_parser(
@@ -237,10 +253,13 @@ class Endpoints:
     dht_announce: tuple[str, ...] = ()
     relay_port: int | None = None  # a relay in this process on host (0: a free port); None: none
     relay_limits: RelayLimits = field(default_factory=RelayLimits)
+    data: str | None = None  # a prepared corpus folder served over HTTP on host; None: none
+    data_port: int = 0
 
 
 async def serve(service: CoordinatorService, where: Endpoints) -> None:
     """Serve ``service`` until SIGINT/SIGTERM, printing the listening line once ready."""
+    data = None if where.data is None else DataServer(where.data, where.host, where.data_port)
     dht_node = None
     if where.dht is not None:
         # Imported here: hivemind is slow to import and unneeded without a DHT.
@@ -277,6 +296,7 @@ async def serve(service: CoordinatorService, where: Endpoints) -> None:
     stop = _stop_on_signals()
     metrics_port = http.port if http is not None else -1
     relaying = f" relay={relay.port}" if relay is not None else ""
+    relaying += f" data={data.url}" if data is not None else ""
     print(
         f"coordinator listening on {server.address} metrics={metrics_port} run={service.run_id}{relaying}",
         flush=True,
@@ -288,6 +308,8 @@ async def serve(service: CoordinatorService, where: Endpoints) -> None:
         await relay.close()
     if http is not None:
         http.close()
+    if data is not None:
+        data.close()
     if dht_node is not None:
         # Bounded: when Ctrl-C reached p2pd too, hivemind's shutdown can wait on a dead daemon.
         with contextlib.suppress(asyncio.TimeoutError):
@@ -368,6 +390,8 @@ def main(argv: list[str] | None = None) -> int:
         dht_announce=tuple(args.dht_announce),
         relay_port=args.relay_port,
         relay_limits=relay_limits(args),
+        data=args.data,
+        data_port=args.data_port,
     )
     try:
         service = CoordinatorService(
@@ -378,7 +402,10 @@ def main(argv: list[str] | None = None) -> int:
             Metrics("coordinator"),
             [],
             CoordinatorSettings(
-                dead_after_s=args.dead_after, reach_timeout_s=args.reach_timeout, relays=tuple(args.relay)
+                dead_after_s=args.dead_after,
+                reach_timeout_s=args.reach_timeout,
+                relays=tuple(args.relay),
+                snapshot_keepers=max(0, args.snapshot_keepers),
             ),
             security=security,
         )

@@ -37,4 +37,4 @@ class CoordinatorSettings:
     max_snapshot_bytes: int = 16 << 30
     export_wait_s: float = 120.0
     relays: tuple[str, ...] = ()
-    snapshot_keepers: int = 0
+    snapshot_keepers: int = 1

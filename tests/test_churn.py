@@ -39,6 +39,7 @@ from tests.procs import (
 STEPS, INTERVAL, DEAD_AFTER = 80, 5, "4"
 ROTATE_EVERY = 10  # rotations on: a rollback replays statistics and re-applies published rotations
 LINK = ("--link-latency-ms", "15")  # slows each step to ~0.1 s, so a kill lands mid-run
+CHUNKED = ("--snapshot-chunk-kb", "16")  # these stages' snapshots (0.5-1 MB) in many chunks
 
 
 def churn_config(folder: Path) -> RunConfig:
@@ -77,11 +78,11 @@ def assert_reproduces(final: coordinator_pb2.StatusReply, reference: list[float]
     assert max(rel) < 1e-5, [(i, f"{r:.1e}") for i, r in enumerate(rel) if r > 0]
 
 
-def start_nodes(procs: list[Proc], folder: Path, address: str, count: int) -> list[Proc]:
+def start_nodes(procs: list[Proc], folder: Path, address: str, count: int, *flags: str) -> list[Proc]:
     """``count`` nodes joining one after another: node i hosts stage i, the rest are standbys."""
     nodes = []
     for i in range(count):
-        nodes.append(node(procs, folder, f"n{i}", address, *LINK))
+        nodes.append(node(procs, folder, f"n{i}", address, *LINK, *flags))
         wait_for_nodes(address, i + 1)
     return nodes
 
@@ -208,8 +209,11 @@ def test_a_frozen_node_is_replaced_and_fenced_when_it_wakes(tmp_path, reference)
 
 
 def test_a_corrupted_latest_snapshot_falls_back_to_the_previous_cut(tmp_path, reference):
+    """Snapshots uploaded to the coordinator (no keepers): its copy fails its hash check."""
     with processes() as procs:
-        address = coordinator(procs, tmp_path, churn_config(tmp_path), "--dead-after", DEAD_AFTER)
+        address = coordinator(
+            procs, tmp_path, churn_config(tmp_path), "--dead-after", DEAD_AFTER, "--snapshot-keepers", "0"
+        )
         nodes = start_nodes(procs, tmp_path, address, 4)
         wait_status(address, past_a_cut(2 * INTERVAL), "two checkpoint cuts and 3 steps past", 120)
         for proc in nodes:  # freeze the swarm so that no newer cut completes meanwhile
@@ -233,6 +237,72 @@ def test_a_corrupted_latest_snapshot_falls_back_to_the_previous_cut(tmp_path, re
     assert resumed_from(nodes[3], 1) == [latest - INTERVAL]
     assert "failed its hash check" in (tmp_path / "coordinator.err").read_text()
     assert witness.report(final).steps_redone >= INTERVAL
+
+
+def replace_the_host_of_stage_1(
+    tmp_path: Path, reference: list[float], before_join=lambda: None
+) -> tuple[coordinator_pb2.StatusReply, Proc]:
+    """Three nodes, each snapshot kept by the two others; the host of stage 1 is killed, declared dead,
+    ``before_join()`` runs, and a fresh node restores stage 1 from its keepers. The final Status and
+    the fresh node."""
+    with processes() as procs:
+        flags = ("--dead-after", DEAD_AFTER, "--snapshot-keepers", "2")
+        address = coordinator(procs, tmp_path, churn_config(tmp_path), *flags)
+        n0, n1, n2 = start_nodes(procs, tmp_path, address, 3, *CHUNKED)
+        cut = wait_status(address, past_a_cut(2 * INTERVAL), "two checkpoint cuts and 3 steps past", 120)
+        kept = [
+            tmp_path / keeper / "snapshots" for keeper in ("n0", "n2")
+        ]  # a cut at s: the state after s - 1
+        wait_status(
+            address,
+            lambda _: all(any(k.glob(f"stage1-step{cut.latest_cut - 1:010d}-*.snap")) for k in kept),
+            "both keepers holding stage 1 of the latest cut",
+            60,
+        )
+        n1.p.kill()
+        wait_status(address, lambda r: not r.nodes[1].alive, "n1 declared dead", 30)
+        before_join()
+        fresh = node(procs, tmp_path, "fresh", address, *LINK, *CHUNKED)
+        final = run_complete(address)
+        for proc in (n0, n2, fresh):
+            assert proc.wait(60) == 0, proc.output()
+    assert_reproduces(final, reference)
+    return final, fresh
+
+
+def fetched_from(proc: Proc, stage: int, step: int) -> int:
+    """From how many holders ``proc`` fetched the snapshot of ``stage`` after ``step``."""
+    pattern = rf"snapshot of stage {stage} after step {step}: \d+ bytes verified from (\d+) holder"
+    (holders,) = re.findall(pattern, proc.stdout())
+    return int(holders)
+
+
+def test_a_newcomer_fetches_its_stage_from_two_keepers_and_the_coordinator_keeps_only_the_final_cut(
+    tmp_path, reference
+):
+    final, fresh = replace_the_host_of_stage_1(tmp_path, reference)
+    resume = resumed_from(fresh, 1)[0]
+    assert fetched_from(fresh, 1, resume - 1) == 2  # restored bit for bit: the run reproduces its losses
+    assert "stay with their hosts and 2 keeper(s)" in final.snapshot_holding and not final.bad_holders
+    with sqlite3.connect(tmp_path / "state.sqlite") as db:
+        rows = db.execute("SELECT digest FROM checkpoints WHERE step = ?", (STEPS - 1,)).fetchall()
+    on_disk = {path.stem for path in (tmp_path / "state.sqlite.artifacts").glob("*")}
+    assert on_disk == {digest for (digest,) in rows}  # the final cut only (the trained model's)
+
+
+@pytest.mark.slow
+def test_a_keeper_serving_corrupt_chunks_is_refused_reported_and_the_restore_completes(tmp_path, reference):
+    def corrupt_what_n0_keeps() -> None:
+        for path in (tmp_path / "n0" / "snapshots").glob("stage1-step*.snap"):
+            data = bytearray(path.read_bytes())
+            for offset in range(100, len(data), 16 << 10):  # a byte in every chunk
+                data[offset] ^= 0xFF
+            path.write_bytes(bytes(data))
+
+    final, fresh = replace_the_host_of_stage_1(tmp_path, reference, corrupt_what_n0_keeps)
+    n0 = next(n.node_id for n in final.nodes if n.node_name == "n0")
+    assert fetched_from(fresh, 1, resumed_from(fresh, 1)[0] - 1) == 1
+    assert any(line.startswith(f"node {n0[:8]} served a bad chunk") for line in final.bad_holders)
 
 
 def test_sigterm_leaves_after_a_final_cut_and_the_replacement_loses_nothing(tmp_path, reference):
