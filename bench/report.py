@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench import data as data_bench
-from bench import quality_report, state
+from bench import quality_report, scaling_report, state
 
 
 def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -139,6 +139,7 @@ def markdown(r: dict) -> str:
         *_relay_section(r),
         *(state.section(r["state"]) if "state" in r else []),
         *(data_bench.section(r["data"]) if "data" in r else []),
+        *scaling_report.section(r),
         f"Section times (s): {', '.join(f'{k} {v:.0f}' for k, v in r['seconds'].items())}.",
     ]
     return "\n".join(out) + "\n"
@@ -544,3 +545,4 @@ def plots(r: dict, out: Path) -> None:
     fig.savefig(out / "throughput.png", dpi=120)
     plt.close(fig)
     quality_report.plots(r, out)
+    scaling_report.plots(r, out)

@@ -35,6 +35,7 @@ from bench import (
     replica_sync,
     replicas,
     report,
+    scaling,
     state,
     throughput,
     wan_replicas,
@@ -78,6 +79,7 @@ class BenchPlan:
     relay: relay.RelayPlan | None = None
     state: state.StatePlan | None = None
     data: data_bench.DataPlan | None = None
+    scaling: scaling.ScalingPlan | None = None
 
 
 def plan(quick: bool) -> BenchPlan:
@@ -158,6 +160,7 @@ def plan(quick: bool) -> BenchPlan:
                 state_bytes=32 << 20,
                 holders=(1, 2),
             ),
+            scaling=scaling.quick_plan(),
         )
     small = MODEL_PRESETS["small"]
     return BenchPlan(
@@ -250,6 +253,7 @@ def plan(quick: bool) -> BenchPlan:
         relay=relay.RelayPlan(small, TrainConfig(steps=12, batch_size=8, seq_len=128, microbatches=2)),
         data=data_bench.DataPlan(),
         state=state.StatePlan(small, TrainConfig(batch_size=8, seq_len=128, microbatches=2)),
+        scaling=scaling.full_plan(),  # CPU hours; its runs are cached (python -m bench.scaling runs parts)
     )
 
 
@@ -366,6 +370,9 @@ def sections(p: BenchPlan, quick: bool, cache: Path | None = None) -> dict[str, 
         out["state"] = lambda: state.run(p.state)
     if p.data is not None:
         out["data"] = lambda: data_bench.run(p.data, Path(tempfile.gettempdir()) / "swarm-bench-data")
+    if p.scaling is not None:
+        runs = cache.parent / "scaling-runs" if cache else Path(tempfile.mkdtemp(prefix="swarm-scaling-"))
+        out["scaling"] = lambda: _scaling(p.scaling, runs)
     return out
 
 
@@ -382,6 +389,12 @@ def _paper_scale(ps: paper_scale.PaperScalePlan, shaper: str) -> dict:
 def _quality(q: quality.QualityPlan, cache: Path | None) -> dict:
     """Every quality variant on the benchmark corpus (loaded once); curves kept in ``cache``."""
     return quality.run(q, load_dataset(RunConfig(model=q.model, train=q.train, n_stages=1)), cache)
+
+
+def _scaling(plan: scaling.ScalingPlan, cache: Path) -> dict:
+    """The width x rank grid, its coordinate check and law; runs kept in ``cache``."""
+    dataset = load_dataset(RunConfig(model=ModelConfig(vocab_size=plan.vocab_size), n_stages=1))
+    return scaling.full(plan, dataset, cache)
 
 
 def _multihost(p: BenchPlan) -> list[dict] | dict:

@@ -371,6 +371,68 @@ def add_data_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=cmd_data)
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    from swarm.core import plan
+    from swarm.core.config import MODEL_PRESETS
+    from swarm.core.profiles import load_profile
+
+    if args.preset not in MODEL_PRESETS:
+        raise SystemExit(f"swarm plan: unknown preset {args.preset!r}; choose from {sorted(MODEL_PRESETS)}")
+    model = MODEL_PRESETS[args.preset]
+    law = plan.GapLaw.load(args.law)
+    link = plan.Link(args.mbps, args.rtt_ms)
+    ranks = [int(k) for k in args.ranks.split(",")]
+    candidates = plan.plan(
+        model,
+        load_profile(args.profile),
+        link,
+        law,
+        ranks,
+        args.stages,
+        args.microbatches,
+        args.microbatch_tokens,
+        args.steps,
+    )
+    best = plan.recommend(candidates, args.max_gap)
+    print(
+        f"{args.preset} (d={model.d_model}, {model.n_layers} layers) in {args.stages} stages on "
+        f"{args.mbps:g} Mbit/s, {args.rtt_ms:g} ms RTT, compute {args.profile}; "
+        f"{args.microbatches} microbatches of {args.microbatch_tokens} tokens (GPipe)"
+    )
+    print(f"{'method':<20} {'tokens/s':>10} {'gap (law)':>16} {'steps to dense loss':>20} {'sooner':>8}")
+    for c in candidates:
+        gap = "0" if c.rank == 0 else f"{100 * c.gap:+.1f}% ± {100 * c.uncertainty:.1f}"
+        mark = "  <- recommended" if c is best else ""
+        print(
+            f"{c.name:<20} {c.tokens_per_s:>10.0f} {gap:>16} {c.steps_factor:>19.2f}x "
+            f"{c.speedup:>7.1f}x{mark}"
+        )
+    print(
+        f"An estimate: the gap law ({law.source}) is extrapolated from small widths; "
+        f"steps and 'sooner' take the gap + its uncertainty; recommended: the soonest to dense's loss "
+        f"whose gap + uncertainty <= {100 * args.max_gap:g}%."
+    )
+    return 0
+
+
+def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from swarm.core.plan import DEFAULT_LAW
+
+    p = sub.add_parser("plan", help="estimate tokens/s, quality gap and time to dense's loss per boundary")
+    p.add_argument("--preset", default="2b-8layer", help="the model preset")
+    p.add_argument("--profile", default="h200-2b-8layer-mb2048", help="a bundled compute profile or its file")
+    p.add_argument("--mbps", type=float, default=80.0, help="link rate between stages (Mbit/s)")
+    p.add_argument("--rtt-ms", type=float, default=50.0, help="round trip between stages (ms)")
+    p.add_argument("--stages", type=int, default=8, help="pipeline stages")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--microbatch-tokens", type=int, default=2048)
+    p.add_argument("--ranks", default="10,20,40,80", help="candidate subspace ranks")
+    p.add_argument("--steps", type=int, default=1000, help="the horizon the gap is predicted at")
+    p.add_argument("--max-gap", type=float, default=0.05, help="the largest gap (+ uncertainty) accepted")
+    p.add_argument("--law", default=str(DEFAULT_LAW), help="a law file or a scaling bench result")
+    p.set_defaults(func=cmd_plan)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``swarm`` parser: one subcommand each, its handler in ``func``."""
     parser = argparse.ArgumentParser(prog="swarm", description=__doc__)
@@ -470,6 +532,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hf", required=True, help="output folder for LlamaForCausalLM.from_pretrained")
     p.set_defaults(func=cmd_export)
     add_data_parser(sub)
+    add_plan_parser(sub)
     p = sub.add_parser("bench", help="run the benchmarks; write JSON, a Markdown report and plots")
     p.add_argument("--quick", action="store_true", help="small smoke run (a few minutes; what CI runs)")
     p.add_argument(

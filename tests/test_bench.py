@@ -100,6 +100,25 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     cpu = results["relay"]["cpu"]
     assert cpu["megabytes"] == 64 and cpu["megabytes_per_s"] > 0 and cpu["relay_cpu_seconds"] > 0
     assert "## Relays" in report
+    grid = results["scaling"]  # two widths, dense and subspace k=4, tuned at 32 and carried to 64
+    assert {(t["parametrisation"], t["kind"]) for t in grid["tuned"]} == {
+        ("mup", "dense"),
+        ("mup", "subspace"),
+    }
+    for t in grid["tuned"]:  # the sweep ends with the best lr between two worse measured ones
+        losses = {
+            r["lr"]: r["final"]
+            for r in grid["runs"]
+            if r["d"] == 32 and r["kind"] == t["kind"] and r["parametrisation"] == t["parametrisation"]
+        }
+        assert losses[t["lr"]] == min(losses.values()) and len(losses) >= 3
+    assert {(r["d"], r["method"]) for r in grid["table"]} == {
+        (d, m) for d in (32, 64) for m in ("dense", "subspace k=4")
+    }
+    assert all(t["check"] is not None for t in grid["transfer"])  # the local sweep at d = 64
+    assert {e["parametrisation"] for e in grid["coordinate"]["exponents"]} == {"mup", "standard"}
+    assert "error" in grid["law"]  # one rank: no law; said so, not fitted
+    assert "## Quality as models widen (scaling)" in report and (tmp_path / "scaling.png").stat().st_size > 0
     if available()[0]:  # the recipe on emulated hosts, subspace next to dense
         dense, subspace = results["multihost"]
         assert dense["steps"] == subspace["steps"] == 8

@@ -1,0 +1,427 @@
+"""Quality as models widen: every method on a width x rank grid, each at its own tuned learning rate.
+
+The rule, applied the same way to every method (dense, subspace at rank k, the residual
+bottleneck, with AdamW or Muon):
+
+1. **Tune once at the narrowest width.** Sweep the learning rate on a grid of factors of 2
+   around ``lr_start`` until the best final validation loss is interior (its two neighbours
+   measured and worse). Under muP, and for the subspace model under the standard
+   parametrisation too (the dense model is the same under both at ``d = base_width``).
+2. **Transfer.** At every wider width run the tuned lr under muP, and under the standard
+   parametrisation at its own narrow-width lr as the control (what a user gets by carrying
+   a tuned lr over without muP).
+3. **Check the transfer** (``check_widths``): a local sweep one grid point each way at the
+   wider width; the transfer holds if the tuned lr is still the best of the three.
+
+Runs are cached one JSON per run under their configuration's hash (:func:`bench.quality.curve`),
+so the section resumes where it stopped and a second session extends the grid. Every run trains
+the same tokens (seed, sampler) on the single-process pipeline with its real codecs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from bench import coordinate_check, scaling_law, scaling_report
+from bench.quality import QualityPlan, Variant, curve, loss_at, run_key, steps_to
+from swarm.core.config import CodecConfig, ModelConfig, RunConfig, TrainConfig
+from swarm.io.data import TokenDataset, load_dataset
+
+LR_FACTOR = 2.0  # the spacing of the learning-rate grid
+
+
+@dataclass(frozen=True)
+class Method:
+    """A model-and-boundary family at rank ``k`` (0: dense) with its optimizer."""
+
+    kind: str  # "dense" | "subspace" | "bottleneck"
+    rank: int = 0
+    optimizer: str = "adamw"
+
+    @property
+    def name(self) -> str:
+        core = "dense" if self.kind == "dense" else f"{self.kind} k={self.rank}"
+        return core if self.optimizer == "adamw" else f"{core} + {self.optimizer}"
+
+
+@dataclass
+class ScalingPlan:
+    widths: list[int]  # the first is the width the learning rates are tuned at
+    ranks: list[int]  # subspace ranks, each run at the widths where k <= d/4
+    steps: int
+    batch_size: int = 8
+    seq_len: int = 128
+    n_layers: int = 4
+    n_stages: int = 4
+    vocab_size: int = 4096
+    eval_every: int = 100
+    eval_batches: int = 8
+    lr_start: float = 4e-3
+    seed: int = 0
+    check_widths: list[int] = field(default_factory=list)  # widths with a local sweep around the transfer
+    control: bool = True  # also run the standard parametrisation at the transferred lr
+    optimizers: list[str] = field(default_factory=lambda: ["adamw"])
+    contenders: list[tuple[str, str]] = field(default_factory=list)  # (kind, optimizer) beside the grid
+    max_width: int = 0  # 0: every width; else skip wider ones (the budget of a session)
+
+    @property
+    def run_widths(self) -> list[int]:
+        """The widths this session runs (up to ``max_width``)."""
+        return [d for d in self.widths if not self.max_width or d <= self.max_width]
+
+    def methods(self, d: int) -> list[Method]:
+        """Dense and, at every rank with k <= d/4, the subspace model, per optimizer; then the
+        contenders at the same ranks (the same numbers per token), dense contenders once."""
+        ranks = [k for k in self.ranks if k <= d // 4]
+        grid = [
+            Method(kind, k, opt)
+            for opt in self.optimizers
+            for kind, k in [("dense", 0)] + [("subspace", k) for k in ranks]
+        ]
+        contenders = [
+            Method(kind, k, opt) for kind, opt in self.contenders for k in (ranks if kind != "dense" else [0])
+        ]
+        return grid + [m for m in contenders if m not in grid]
+
+
+def width_model(plan: ScalingPlan, d: int, method: Method, parametrisation: str) -> ModelConfig:
+    """The grid's model at width ``d``: heads of 64 channels, d_ff ~ 2.69 d (688 at d = 256)."""
+    return ModelConfig(
+        vocab_size=plan.vocab_size,
+        d_model=d,
+        n_layers=plan.n_layers,
+        n_heads=max(1, d // 64),
+        d_ff=round(2.6875 * d / 8) * 8,
+        max_seq_len=plan.seq_len,
+        subspace_rank=method.rank if method.kind == "subspace" else 0,
+        constrain_writes=method.kind == "subspace",
+        bottleneck_rank=method.rank if method.kind == "bottleneck" else 0,
+        parametrisation=parametrisation,
+        base_width=plan.widths[0],
+    )
+
+
+def run_variant(
+    plan: ScalingPlan, d: int, method: Method, lr: float, parametrisation: str
+) -> tuple[Variant, QualityPlan]:
+    """One grid point as the quality section's variant and plan (so its curves share the cache format)."""
+    model = width_model(plan, d, method, parametrisation)
+    codec = CodecConfig(kind="subspace" if method.kind == "subspace" else "identity")
+    name = f"d={d} {method.name} lr={lr:.3g} {parametrisation}"
+    train = TrainConfig(
+        steps=plan.steps,
+        batch_size=plan.batch_size,
+        seq_len=plan.seq_len,
+        lr=lr,
+        optimizer=method.optimizer,
+        eval_every=plan.eval_every,
+        seed=plan.seed,
+    )
+    quality_plan = QualityPlan(model, train, plan.n_stages, [name], [], eval_batches=plan.eval_batches)
+    return Variant(name, model, codec), quality_plan
+
+
+class Grid:
+    """The runs of a plan, trained on demand and cached; ``results`` collects what was run."""
+
+    def __init__(
+        self,
+        plan: ScalingPlan,
+        dataset: TokenDataset,
+        cache: Path,
+        progress: Callable[[str], None],
+        cached_only: bool = False,
+    ):
+        self.plan, self.dataset, self.cache, self.progress = plan, dataset, cache, progress
+        self.cached_only = cached_only  # report what was run; train nothing
+        self.results: list[dict] = []
+
+    def loss(self, d: int, method: Method, lr: float, parametrisation: str = "mup") -> float:
+        """The final validation loss of one run (inf if it diverged); trains it unless cached
+        (NaN for a run not in the cache when ``cached_only``)."""
+        if d == self.plan.widths[0] and method.kind != "subspace":
+            parametrisation = "mup"  # the same model as the standard one at the base width
+        variant, quality_plan = run_variant(self.plan, d, method, lr, parametrisation)
+        key = run_key(variant.config(quality_plan.train, quality_plan.n_stages), quality_plan.eval_batches)
+        if self.cached_only and not (self.cache / f"{key}.json").exists():
+            return math.nan
+        t0 = time.perf_counter()
+        row = curve(variant, quality_plan, self.dataset, self.cache, self.progress)
+        entry = {
+            "d": d,
+            "method": method.name,
+            "kind": method.kind,
+            "rank": method.rank,
+            "optimizer": method.optimizer,
+            "lr": lr,
+            "parametrisation": parametrisation,
+            "final": row.get("final_val_loss", math.inf),
+            "curve": row.get("val_curve", []),
+            "compression": row.get("compression_vs_dense_bf16"),
+            "seconds": time.perf_counter() - t0,
+        }
+        self.results.append(entry)
+        return entry["final"]
+
+    def tune(self, d: int, method: Method, parametrisation: str) -> float:
+        """The best lr on the factor-2 grid, extended until the best point has worse neighbours."""
+        lrs = {self.plan.lr_start / LR_FACTOR, self.plan.lr_start, self.plan.lr_start * LR_FACTOR}
+        while True:
+            losses = {lr: self.loss(d, method, lr, parametrisation) for lr in sorted(lrs)}
+            measured = {lr: x for lr, x in losses.items() if not math.isnan(x)}
+            if not measured:
+                return self.plan.lr_start
+            best = min(measured, key=measured.get)
+            lower, upper = best / LR_FACTOR, best * LR_FACTOR
+            missing = {lr for lr in (lower, upper) if not any(math.isclose(lr, x) for x in losses)}
+            if not missing or (self.cached_only and len(losses) > len(measured)):
+                return best
+            lrs |= missing
+
+
+def tuned_lr(tuned: dict[tuple, float], method: Method, parametrisation: str) -> float:
+    """The narrow width's best lr of ``method``; a rank tuned nowhere takes the nearest tuned rank's.
+    Only the subspace model differs between the parametrisations at the base width."""
+    par = parametrisation if method.kind == "subspace" else "mup"
+    same = [k for k in tuned if k[0] == par and k[1] == method.kind and k[3] == method.optimizer]
+    return tuned[min(same, key=lambda k: abs(math.log(max(k[2], 1) / max(method.rank, 1))))]
+
+
+def run(
+    plan: ScalingPlan,
+    dataset: TokenDataset,
+    cache: Path,
+    progress: Callable[[str], None] = print,
+    cached_only: bool = False,
+) -> dict:
+    """Tune at the narrowest width, transfer to the others (muP and the control), check transfers."""
+    grid = Grid(plan, dataset, cache, progress, cached_only)
+    base = plan.widths[0]
+    parametrisations = ["mup", "standard"] if plan.control else ["mup"]
+    tuned = {
+        (par, m.kind, m.rank, m.optimizer): grid.tune(base, m, par)
+        for m in plan.methods(base)
+        for par in parametrisations
+        if par == "mup" or m.kind == "subspace"
+    }
+    transfer = []
+    for d in plan.run_widths[1:]:
+        for method in plan.methods(d):
+            lr = tuned_lr(tuned, method, "mup")
+            grid.loss(d, method, lr)
+            check = None
+            if d in plan.check_widths:
+                local = {x: grid.loss(d, method, x) for x in (lr / LR_FACTOR, lr, lr * LR_FACTOR)}
+                if not any(math.isnan(x) for x in local.values()):
+                    check = {
+                        "losses": {str(k): v for k, v in local.items()},
+                        "holds": min(local, key=local.get) == lr,
+                    }
+            if plan.control:
+                grid.loss(d, method, tuned_lr(tuned, method, "standard"), "standard")
+            transfer.append({"d": d, "method": method.name, "lr": lr, "check": check})
+    return {
+        "plan": dataclasses.asdict(plan),
+        "tuned": [
+            {"parametrisation": p, "kind": k, "rank": r, "optimizer": o, "lr": lr}
+            for (p, k, r, o), lr in tuned.items()
+        ],
+        "transfer": transfer,
+        "runs": grid.results,
+        "table": table(grid.results, plan.steps),
+    }
+
+
+def table(runs: list[dict], steps: int) -> list[dict]:
+    """Per width and parametrisation, each method at its tuned (or transferred) lr: loss at equal steps,
+    gap to dense, and the steps it needs to reach dense's final loss. Dense is the best dense run at
+    that width under either parametrisation (each side at its own best hyperparameters)."""
+    best: dict[tuple, dict] = {}
+    for r in runs:
+        key = (r["d"], r["parametrisation"], r["method"])
+        if key not in best or r["final"] < best[key]["final"]:
+            best[key] = r
+    rows = []
+    for (d, par, name), r in sorted(best.items(), key=lambda item: (item[0][0], item[0][1], item[1]["rank"])):
+        denses = [x for (dd, _, _), x in best.items() if dd == d and x["kind"] == "dense"]
+        dense = min(denses, key=lambda x: x["final"], default=None)  # the best dense, any optimizer
+        row = {
+            "d": d,
+            "parametrisation": par,
+            "method": name,
+            "kind": r["kind"],
+            "rank": r["rank"],
+            "lr": r["lr"],
+            "loss": r["final"],
+            "compression": r["compression"],
+        }
+        if dense is not None and r["curve"]:
+            row["gap"] = r["final"] / dense["final"] - 1
+            reached = steps_to(r["curve"], dense["final"])
+            row["steps_to_dense"] = reached / steps if reached is not None else None
+            row["loss_at_half"] = loss_at(r["curve"], steps // 2)
+        rows.append(row)
+    return rows
+
+
+def coordinate(plan: ScalingPlan, dataset: TokenDataset, steps: int = 4) -> dict:
+    """The coordinate check over the plan's widths (up to ``max_width``), standard vs muP, for dense
+    and the subspace model at the plan's smallest rank, all at ``lr_start``."""
+    widths = plan.run_widths
+    methods = [Method("dense"), Method("subspace", min(plan.ranks))]
+    configs = {
+        (m.name, par, d): coordinate_check.check_config(
+            width_model(plan, d, m, par),
+            plan.lr_start,
+            plan.batch_size,
+            plan.seq_len,
+            plan.n_stages,
+            m.kind == "subspace",
+        )
+        for m in methods
+        for par in ("standard", "mup")
+        for d in widths
+    }
+    return coordinate_check.run(configs, dataset, steps)
+
+
+def law_summary(runs: list[dict], steps: int) -> dict:
+    """The gap law fitted on the subspace runs, its leave-out check and its predictions."""
+    pts = scaling_law.points(runs)
+    try:
+        law, left_out = scaling_law.check(pts)
+    except ValueError as e:
+        return {"error": str(e)}
+    predictions = []
+    for d in (2048, 4096):
+        for k in (20, 40, 80):
+            gap, sd = law.predict(d, k, steps)
+            predictions.append({"d": d, "k": k, "steps": steps, "gap": gap, "uncertainty": sd})
+    return {
+        "formula": law.formula(),
+        "alpha": scaling_law.dense_exponent(runs),
+        "coef": law.coef,
+        "sigma": law.sigma,
+        "loo_error": law.loo_error,
+        "points": len(pts),
+        "grid_points": len({(p.d, p.k) for p in pts}),
+        "left_out": left_out,
+        "predictions": predictions,
+    }
+
+
+def full(
+    plan: ScalingPlan,
+    dataset: TokenDataset,
+    cache: Path,
+    progress: Callable[[str], None] = print,
+    cached_only: bool = False,
+) -> dict:
+    """The section: the grid (:func:`run`), the coordinate check (kept in ``cache`` once run) and the law."""
+    result = run(plan, dataset, cache, progress, cached_only)
+    saved = cache / "coordinate-check.json"
+    widths = plan.run_widths
+    if saved.exists() and json.loads(saved.read_text()).get("widths") == widths:
+        result["coordinate"] = json.loads(saved.read_text())
+    elif not cached_only:
+        progress("scaling: coordinate check")
+        result["coordinate"] = {"widths": widths, **coordinate(plan, dataset)}
+        cache.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(result["coordinate"]))
+    result["law"] = law_summary(result["runs"], plan.steps)
+    return result
+
+
+def full_plan() -> ScalingPlan:
+    return ScalingPlan(
+        widths=[128, 256, 512, 1024], ranks=[8, 16, 32, 64], steps=1000, check_widths=[256, 512]
+    )
+
+
+def quick_plan() -> ScalingPlan:
+    """A tiny grid for CI: two widths, one rank, a few steps (checks the machinery, not the law)."""
+    return ScalingPlan(
+        widths=[32, 64],
+        ranks=[4],
+        steps=8,
+        batch_size=2,
+        seq_len=16,
+        n_layers=2,
+        n_stages=2,
+        vocab_size=512,
+        eval_every=4,
+        eval_batches=1,
+        lr_start=0.1,  # near the tiny models' best, so the sweep stays short
+        check_widths=[64],
+        control=False,
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--out", default="bench/results")
+    parser.add_argument(
+        "--max-width", type=int, default=0, help="skip widths above this (a session's budget)"
+    )
+    parser.add_argument(
+        "--widths", default="", help="comma-separated widths, the first tuned (default: the plan's)"
+    )
+    parser.add_argument(
+        "--check-widths", default=None, help="widths with a local lr sweep (default: the plan's)"
+    )
+    parser.add_argument(
+        "--no-control", action="store_true", help="skip the standard parametrisation's control"
+    )
+    parser.add_argument("--cached-only", action="store_true", help="report the cached runs; train nothing")
+    parser.add_argument("--law-out", help="also write the fitted law here (swarm plan's law file)")
+    parser.add_argument("--optimizers", default="adamw")
+    parser.add_argument("--ranks", default="", help="comma-separated ranks (default: the plan's)")
+    parser.add_argument(
+        "--contenders", default="", help="kind:optimizer,... e.g. bottleneck:adamw,dense:muon"
+    )
+    args = parser.parse_args()
+    plan = quick_plan() if args.quick else full_plan()
+    plan.max_width = args.max_width
+    plan.optimizers = args.optimizers.split(",")
+    if args.widths:
+        plan.widths = [int(d) for d in args.widths.split(",")]
+    if args.check_widths is not None:
+        plan.check_widths = [int(d) for d in args.check_widths.split(",") if d]
+    if args.no_control:
+        plan.control = False
+    if args.ranks:
+        plan.ranks = [int(k) for k in args.ranks.split(",")]
+    if args.contenders:
+        plan.contenders = [tuple(c.split(":")) for c in args.contenders.split(",")]
+    out = Path(args.out)
+    dataset = load_dataset(RunConfig(model=ModelConfig(vocab_size=plan.vocab_size), n_stages=1))
+    result = full(
+        plan,
+        dataset,
+        out / "scaling-runs",
+        progress=lambda s: print(time.strftime("%H:%M:%S"), s, flush=True),
+        cached_only=args.cached_only,
+    )
+    result["threads"] = torch.get_num_threads()
+    (out / "scaling.json").write_text(json.dumps(result, indent=2, default=str))
+    (out / "scaling.md").write_text("\n".join(scaling_report.section({"scaling": result})) + "\n")
+    scaling_report.plots({"scaling": result}, out)
+    if args.law_out and "coef" in result["law"]:
+        law = result["law"] | {
+            "source": f"bench.scaling on {time.strftime('%Y-%m-%d')}, widths {plan.widths}"
+        }
+        Path(args.law_out).write_text(json.dumps(law, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

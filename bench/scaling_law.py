@@ -1,0 +1,120 @@
+"""A law of the compressed model's gap to dense in rank k, width d and steps s, fitted on the grid.
+
+    gap(k, d, s) = a + b ln k + c ln d + e ln s
+
+(the gap is ``loss / dense loss - 1`` at equal steps, dense being the best dense run at that width).
+Linear in the logarithms so that a negative gap (noise around zero) fits like any other. Points are
+every evaluation from ``MIN_STEP`` on, of every grid point (d, k); the check leaves out one grid
+point at a time, fits the rest and predicts the left-out point's final gap. A prediction's
+uncertainty is the larger of the fit's standard error at that point and the leave-out error (points
+of one curve are correlated, so the standard error alone is too small).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from bench.quality import loss_at
+
+MIN_STEP = 200  # earlier evaluations are dominated by warm-up
+
+
+@dataclass(frozen=True)
+class Point:
+    d: int
+    k: int
+    step: int
+    gap: float
+
+
+def points(runs: list[dict], kind: str = "subspace") -> list[Point]:
+    """Every evaluation of the ``kind`` runs, each grid point (d, k) at its best final loss under
+    either parametrisation, against the best dense run of its width at the same step."""
+    best: dict[tuple[int, int], dict] = {}
+    for r in runs:
+        if r["kind"] not in (kind, "dense") or not r["curve"] or not math.isfinite(r["final"]):
+            continue
+        key = (r["d"], r["rank"] if r["kind"] == kind else 0)
+        if key not in best or r["final"] < best[key]["final"]:
+            best[key] = r
+    out = []
+    for (d, k), r in sorted(best.items()):
+        dense = best.get((d, 0))
+        if k == 0 or dense is None:
+            continue
+        for step, loss in r["curve"]:
+            if step >= MIN_STEP:
+                out.append(Point(d, k, step, loss / loss_at(dense["curve"], step) - 1))
+    return out
+
+
+def _features(d: float, k: float, s: float) -> list[float]:
+    return [1.0, math.log(k), math.log(d), math.log(s)]
+
+
+@dataclass
+class Law:
+    coef: list[float]  # a, b, c, e
+    sigma: float  # the residuals' standard deviation
+    inverse: torch.Tensor  # (X^T X)^-1, for a prediction's standard error
+    loo_error: float  # the largest leave-one-grid-point-out error at the final step (0: not checked)
+
+    def predict(self, d: float, k: float, s: float) -> tuple[float, float]:
+        """The predicted gap and its uncertainty (one standard deviation, at least the leave-out error)."""
+        x = torch.tensor(_features(d, k, s), dtype=torch.float64)
+        mean = float(x @ torch.tensor(self.coef, dtype=torch.float64))
+        se = self.sigma * math.sqrt(1 + float(x @ self.inverse @ x))
+        return mean, max(se, self.loo_error)
+
+    def formula(self) -> str:
+        a, b, c, e = self.coef
+        return f"gap = {a:+.4f} {b:+.4f} ln k {c:+.4f} ln d {e:+.4f} ln s"
+
+
+def fit(pts: list[Point]) -> Law:
+    """Least squares over ``pts``; needs at least two widths and two ranks."""
+    if len({p.d for p in pts}) < 2 or len({p.k for p in pts}) < 2:
+        raise ValueError("the law needs points at two widths and two ranks at least")
+    x = torch.tensor([_features(p.d, p.k, p.step) for p in pts], dtype=torch.float64)
+    y = torch.tensor([p.gap for p in pts], dtype=torch.float64)
+    coef = torch.linalg.lstsq(x, y[:, None]).solution[:, 0]
+    residual = y - x @ coef
+    dof = max(len(pts) - x.shape[1], 1)
+    return Law(coef.tolist(), math.sqrt(float(residual @ residual) / dof), torch.linalg.inv(x.T @ x), 0.0)
+
+
+def check(pts: list[Point]) -> tuple[Law, list[dict]]:
+    """The law on all points, its leave-one-grid-point-out errors at each point's final step."""
+    law = fit(pts)
+    rows = []
+    for d, k in sorted({(p.d, p.k) for p in pts}):
+        rest = [p for p in pts if (p.d, p.k) != (d, k)]
+        final = max((p for p in pts if (p.d, p.k) == (d, k)), key=lambda p: p.step)
+        try:
+            predicted, _ = fit(rest).predict(d, k, final.step)
+        except ValueError:  # the rest spans one width or one rank: this point cannot be left out
+            continue
+        rows.append({"d": d, "k": k, "step": final.step, "gap": final.gap, "predicted": predicted})
+    law.loo_error = max((abs(r["gap"] - r["predicted"]) for r in rows), default=0.0)
+    return law, rows
+
+
+def dense_exponent(runs: list[dict]) -> float:
+    """Dense's ``alpha`` in loss ~ steps^-alpha from ``MIN_STEP`` on, averaged over its widths (each
+    width's best dense run)."""
+    best: dict[int, dict] = {}
+    for r in runs:
+        if r["kind"] == "dense" and r["curve"] and (r["d"] not in best or r["final"] < best[r["d"]]["final"]):
+            best[r["d"]] = r
+    slopes = []
+    for r in best.values():
+        pts = [(math.log(s), math.log(loss)) for s, loss in r["curve"] if s >= MIN_STEP]
+        if len(pts) > 1:
+            mx, my = sum(x for x, _ in pts) / len(pts), sum(y for _, y in pts) / len(pts)
+            slopes.append(-sum((x - mx) * (y - my) for x, y in pts) / sum((x - mx) ** 2 for x, _ in pts))
+    if not slopes:
+        raise ValueError("no dense curve to take the loss-vs-steps exponent from")
+    return sum(slopes) / len(slopes)

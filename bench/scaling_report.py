@@ -1,0 +1,191 @@
+"""The ``scaling`` section's report: Markdown tables and plots of :func:`bench.scaling.full`'s result."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+
+def best_gaps(table: list[dict]) -> dict[tuple[str, int, int], dict]:
+    """(kind, k, d) -> the table row of the lowest loss at that point under either parametrisation."""
+    best: dict[tuple[str, int, int], dict] = {}
+    for row in table:
+        key = (row["kind"], row["rank"], row["d"])
+        if "gap" in row and (key not in best or row["loss"] < best[key]["loss"]):
+            best[key] = row
+    return best
+
+
+def _pct(x: float | None) -> str:
+    return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:+.1f}%"
+
+
+def _times(x: float | None) -> str:
+    return "not reached" if x is None else f"{x:.2f}x"
+
+
+def section(r: dict) -> list[str]:
+    """The ``scaling`` results as Markdown lines (nothing when the section did not run)."""
+    if "scaling" not in r:
+        return []
+    s = r["scaling"]
+    widths = sorted({row["d"] for row in s["table"]})
+    best = best_gaps(s["table"])
+    out = [
+        "## Quality as models widen (scaling)",
+        "",
+        f"{s['plan']['steps']} steps of batch {s['plan']['batch_size']} x {s['plan']['seq_len']}, "
+        f"{s['plan']['n_layers']} layers in {s['plan']['n_stages']} stages, heads of 64, d_ff ~2.69 d; "
+        f"learning rates tuned at d = {s['plan']['widths'][0]} on a factor-2 grid (best point interior), "
+        "then transferred. Gap: final validation loss over the best dense run's at that width "
+        "(either parametrisation), each at its own best lr; one seed (two runs differing only in seed "
+        "end ~1% apart: a gap under ~2 points decides nothing).",
+        "",
+        "Tuned at the base width:",
+        "",
+        "| parametrisation | method | lr |",
+        "|---|---|---|",
+        *(
+            f"| {t['parametrisation']} | {t['kind']} k={t['rank']} {t['optimizer']} | {t['lr']:.3g} |"
+            for t in s["tuned"]
+        ),
+        "",
+        "Gap to dense (best of muP and standard at each point; `-`: not run):",
+        "",
+        "| method | " + " | ".join(f"d={d}" for d in widths) + " |",
+        "|---|" + "---|" * len(widths),
+    ]
+    for kind, k in sorted({(kind, k) for kind, k, _ in best if kind != "dense"}):
+        cells = [_pct(best[(kind, k, d)]["gap"]) if (kind, k, d) in best else "-" for d in widths]
+        out.append(f"| {kind} k={k} | " + " | ".join(cells) + " |")
+    out += [
+        "",
+        "Each method at its best lr measured at that width (the transferred one or a neighbour):",
+        "",
+        "| d | parametrisation | method | lr | loss | gap | steps to dense's loss |",
+        "|---|---|---|---|---|---|---|",
+        *(
+            f"| {row['d']} | {row['parametrisation']} | {row['method']} | {row['lr']:.3g} | "
+            f"{row['loss']:.3f} | {_pct(row.get('gap'))} | "
+            f"{_times(row.get('steps_to_dense'))} |"
+            for row in s["table"]
+        ),
+        "",
+        "Transfer checks (a local sweep one grid point each way at a wider width):",
+        "",
+        "| d | method | transferred lr | losses (lr/2, lr, 2 lr) | holds |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {t['d']} | {t['method']} | {t['lr']:.3g} | "
+            f"{', '.join(f'{v:.3f}' for v in t['check']['losses'].values())} | {t['check']['holds']} |"
+            for t in s["transfer"]
+            if t["check"]
+        ),
+        "",
+        *_coordinate_lines(s.get("coordinate")),
+        *_law_lines(s.get("law")),
+    ]
+    return out
+
+
+def _coordinate_lines(c: dict | None) -> list[str]:
+    if not c:
+        return []
+    return [
+        "Coordinate check: each quantity's exponent in d (log-log slope over the widths) after the "
+        "check's steps; ~0 is width-stable.",
+        "",
+        "| method | parametrisation | writes | logits | writes moved | logits moved |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {e['method']} | {e['parametrisation']} | {e['writes']:+.2f} | {e['logits']:+.2f} | "
+            f"{e['writes_moved']:+.2f} | {e['logits_moved']:+.2f} |"
+            for e in c["exponents"]
+        ),
+        "",
+    ]
+
+
+def _law_lines(law: dict | None) -> list[str]:
+    if not law:
+        return []
+    if "error" in law:
+        return [f"Law: not fitted ({law['error']}).", ""]
+    return [
+        f"Law (subspace, {law['points']} points from {law['grid_points']} grid points): "
+        f"`{law['formula']}`; residual sd {100 * law['sigma']:.2f} points; "
+        f"leave-one-grid-point-out error at most {100 * law['loo_error']:.2f} points (goal: 1).",
+        "",
+        "| left out | gap | predicted |",
+        "|---|---|---|",
+        *(f"| d={x['d']} k={x['k']} | {_pct(x['gap'])} | {_pct(x['predicted'])} |" for x in law["left_out"]),
+        "",
+        "Extrapolated (far outside the grid; the uncertainty is one sd, at least the leave-out error):",
+        "",
+        "| d | k | steps | predicted gap |",
+        "|---|---|---|---|",
+        *(
+            f"| {p['d']} | {p['k']} | {p['steps']} | {_pct(p['gap'])} ± {100 * p['uncertainty']:.1f} |"
+            for p in law["predictions"]
+        ),
+        "",
+    ]
+
+
+def plots(r: dict, out: Path) -> None:
+    """``scaling.png``: loss against width per method, the gap heatmap, and the coordinate check."""
+    if "scaling" not in r:
+        return
+    s = r["scaling"]
+    best = best_gaps(s["table"])
+    widths = sorted({d for _, _, d in best})
+    methods = sorted({(kind, k) for kind, k, _ in best})
+    fig, (loss_ax, heat_ax, coord_ax) = plt.subplots(1, 3, figsize=(18, 5))
+    for kind, k in methods:
+        xs = [d for d in widths if (kind, k, d) in best]
+        loss_ax.plot(xs, [best[(kind, k, d)]["loss"] for d in xs], marker="o", label=f"{kind} k={k}")
+    loss_ax.set_xscale("log", base=2)
+    loss_ax.set_xlabel("d_model")
+    loss_ax.set_ylabel("final validation loss (best lr)")
+    loss_ax.legend(fontsize=7)
+    compressed = [m for m in methods if m[0] != "dense"]
+    grid = [[best[(*m, d)]["gap"] * 100 if (*m, d) in best else math.nan for d in widths] for m in compressed]
+    if compressed:
+        image = heat_ax.imshow(grid, cmap="RdYlGn_r", vmin=-5, vmax=10, aspect="auto")
+        heat_ax.set_xticks(range(len(widths)), [str(d) for d in widths])
+        heat_ax.set_yticks(range(len(compressed)), [f"{kind} k={k}" for kind, k in compressed], fontsize=7)
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                if math.isfinite(v):
+                    heat_ax.text(j, i, f"{v:+.1f}", ha="center", va="center", fontsize=7)
+        fig.colorbar(image, ax=heat_ax, label="gap to dense (%)")
+    heat_ax.set_title("gap to dense, width x rank")
+    c = s.get("coordinate")
+    if c:
+        for method, par in sorted({(x["method"], x["parametrisation"]) for x in c["rows"]}):
+            last = max(x["step"] for x in c["rows"])
+            rows = sorted(
+                (
+                    x
+                    for x in c["rows"]
+                    if (x["method"], x["parametrisation"], x["step"]) == (method, par, last)
+                ),
+                key=lambda x: x["d"],
+            )
+            coord_ax.plot(
+                [x["d"] for x in rows], [x["logits_moved"] for x in rows], marker="o", label=f"{method} {par}"
+            )
+        coord_ax.set_xscale("log", base=2)
+        coord_ax.set_yscale("log")
+        coord_ax.set_xlabel("d_model")
+        coord_ax.set_ylabel("RMS change of the logits after the check's steps")
+        coord_ax.set_title("coordinate check")
+        coord_ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "scaling.png", dpi=120)
+    plt.close(fig)

@@ -1,0 +1,72 @@
+"""`swarm plan` against figures computed by hand."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from swarm.cli import main
+from swarm.core.config import ModelConfig
+from swarm.core.plan import DEFAULT_LAW, GapLaw, Link, plan, recommend, tokens_per_second
+from swarm.core.profiles import ComputeProfile
+
+# 10 us forward and 20 us backward per token and layer; a boundary's maps 4 us per token (1 us a side)
+PROFILE = ComputeProfile("made-up", "test", "none", "by hand", 10.0, 20.0, 512, boundary_us_per_token=4.0)
+LAW = GapLaw((0.01, -0.002, 0.0, 0.0), uncertainty=0.01, alpha=0.1, source="by hand")
+
+
+def model(n_layers: int) -> ModelConfig:
+    return ModelConfig(vocab_size=256, d_model=1024, n_layers=n_layers, n_heads=16, d_ff=2048)
+
+
+def test_two_stages_on_100_mbits_by_hand():
+    link = Link(100.0, 40.0)  # 12.5 MB/s
+    # dense: 1024 x 2 B x 1000 tokens = 2.048 MB per microbatch = 0.16384 s, more than a stage's
+    # compute (2 layers x 1000 tokens: 0.02 s forward, 0.04 s backward); (M + P - 1) = 5 slots, 1 RTT
+    dense = 4000 / (5 * (0.16384 + 0.16384) + 0.04)
+    # k = 16: 32 kB = 2.56 ms on the wire; compute binds, plus one side of maps (1 ms) per stage
+    k16 = 4000 / (5 * (0.021 + 0.041) + 0.04)
+    rows = plan(model(4), PROFILE, link, LAW, [16, 4096], n_stages=2, microbatches=4, microbatch_tokens=1000)
+    assert [r.rank for r in rows] == [0, 16]  # a rank of d or more is no compression: left out
+    assert rows[0].tokens_per_s == pytest.approx(dense) and rows[1].tokens_per_s == pytest.approx(k16)
+    gap = 0.01 - 0.002 * math.log(16)
+    factor = (1 + gap + 0.01) ** 10  # the pessimistic gap, alpha = 0.1
+    assert rows[1].gap == pytest.approx(gap) and rows[1].steps_factor == pytest.approx(factor)
+    assert rows[1].speedup == pytest.approx(k16 / dense / factor)
+    assert recommend(rows, max_gap=0.05) is rows[1]
+    assert recommend(rows, max_gap=0.01) is rows[0]  # 0.0045 + 0.01 is above 1%: dense
+
+
+def test_uneven_stages_on_a_slow_link_by_hand():
+    link = Link(8.0, 100.0)  # 1 MB/s
+    # 5 layers in 2 stages: 3 and 2; 500 tokens per microbatch, 2 microbatches
+    # dense: 1024 x 2 x 500 = 1.024 s a microbatch on the wire; 3 slots; one RTT of 0.1 s
+    dense = 1000 / (3 * (1.024 + 1.024) + 0.1)
+    # k = 64: 64 x 2 x 500 = 0.064 s on the wire; the 3-layer stage: 0.015 s + 0.0005 s maps
+    # forward, 0.03 + 0.0005 backward: the wire binds both ways
+    k64 = 1000 / (3 * (0.064 + 0.064) + 0.1)
+    assert tokens_per_second(model(5), PROFILE, link, 2, 2, 500, 0) == pytest.approx(dense)
+    assert tokens_per_second(model(5), PROFILE, link, 2, 2, 500, 64) == pytest.approx(k64)
+    (row,) = plan(model(5), PROFILE, link, LAW, [64], 2, 2, 500)[1:]
+    assert row.steps_factor == pytest.approx((1 + 0.01 - 0.002 * math.log(64) + 0.01) ** 10)
+
+
+def test_a_negative_gap_counts_as_none():
+    law = GapLaw((-0.5, 0.0, 0.0, 0.0), uncertainty=0.01, alpha=0.1, source="by hand")
+    (row,) = plan(model(4), PROFILE, Link(100.0, 40.0), law, [16], 2)[1:]
+    assert row.gap == -0.5 and row.steps_factor == 1.0
+
+
+def test_the_command_prints_every_candidate_and_one_recommendation(tmp_path, capsys):
+    law = tmp_path / "law.json"  # a scaling bench result holding a law
+    law.write_text(json.dumps({"law": {"coef": [0.01, -0.002, 0.0, 0.0], "loo_error": 0.01, "alpha": 0.1}}))
+    assert main(["plan", "--ranks", "20,40", "--law", str(law)]) == 0
+    out = capsys.readouterr().out
+    assert "dense bf16" in out and "subspace k=20" in out and "subspace k=40" in out
+    assert out.count("<- recommended") == 1 and "An estimate" in out
+    law.write_text(json.dumps({"law": {"error": "one rank: no law"}}))
+    assert main(["plan", "--law", str(law)]) != 0
+    assert "no fitted law (one rank: no law)" in capsys.readouterr().err
+    assert GapLaw.load(DEFAULT_LAW).alpha > 0  # the shipped law loads
