@@ -72,6 +72,7 @@ class ScalingPlan:
     optimizers: list[str] = field(default_factory=lambda: ["adamw"])
     contenders: list[tuple[str, str]] = field(default_factory=list)  # (kind, optimizer) beside the grid
     max_width: int = 0  # 0: every width; else skip wider ones (the budget of a session)
+    precision: str = "fp32"  # the layers' compute: "fp32" or "bf16" (autocast; a GPU's grid)
 
     @property
     def run_widths(self) -> list[int]:
@@ -123,6 +124,7 @@ def run_variant(
         seq_len=plan.seq_len,
         lr=lr,
         optimizer=method.optimizer,
+        precision=plan.precision,
         eval_every=plan.eval_every,
         seed=plan.seed,
     )
@@ -384,6 +386,7 @@ def main() -> None:
     )
     parser.add_argument("--cached-only", action="store_true", help="report the cached runs; train nothing")
     parser.add_argument("--law-out", help="also write the fitted law here (swarm plan's law file)")
+    parser.add_argument("--precision", default="fp32", help="fp32, or bf16 (autocast, on a GPU)")
     parser.add_argument("--optimizers", default="adamw")
     parser.add_argument("--ranks", default="", help="comma-separated ranks (default: the plan's)")
     parser.add_argument(
@@ -397,6 +400,7 @@ def main() -> None:
         plan.widths = [int(d) for d in args.widths.split(",")]
     if args.check_widths is not None:
         plan.check_widths = [int(d) for d in args.check_widths.split(",") if d]
+    plan.precision = args.precision
     if args.no_control:
         plan.control = False
     if args.ranks:
