@@ -12,13 +12,16 @@ import torch
 
 from swarm.cli import main
 from swarm.core.config import MODEL_PRESETS, DataConfig, RunConfig, TrainConfig
-from swarm.io.data import load_dataset, run_tokenizer
+from swarm.io.data import batch_ids, load_dataset, run_tokenizer
+from swarm.io.data_server import DataServer
 from swarm.io.fetch import CorpusReader, FetchError
 from swarm.io.order import SampleOrder, _round_keys, permute
 from swarm.io.prepare import PrepareOptions, prepare
 from swarm.io.prepared import CorpusSampler, PreparedDataset
 from swarm.io.shards import HEADER, Manifest
 from swarm.io.tokenizer import ByteTokenizer
+from swarm.launch.local_swarm import up
+from swarm.runtime.pipeline import LocalPipeline
 
 SEQ = 16
 
@@ -145,3 +148,23 @@ def test_swarm_train_on_a_prepared_corpus(corpus: tuple[Path, Manifest], tmp_pat
     assert main(argv) == 0
     with pytest.raises(FetchError, match="the run names corpus"):
         load_dataset(tiny_run(folder, "f" * 32))
+
+
+def test_a_swarm_trains_on_a_prepared_corpus_from_a_mirror_as_one_process_does(
+    corpus: tuple[Path, Manifest], tmp_path: Path, monkeypatch
+) -> None:
+    """Stage 0 of a real swarm (coordinator and two node processes on loopback) reads its batches
+    from an HTTP mirror of the prepared corpus: the run's losses are the single-process pipeline's
+    on the same corpus and seed, step for step."""
+    folder, manifest = corpus
+    monkeypatch.setenv("SWARM_CACHE_DIR", str(tmp_path / "cache"))
+    with DataServer(folder) as server:
+        config = tiny_run(folder, manifest.corpus_id, steps=6)
+        config.data.source = server.url
+        summary = up(config, tmp_path / "run", nodes=2, use_dht=False, progress=False, timeout=240)
+        t = config.train
+        sampler = load_dataset(config, tmp_path / "reference").sampler(t.batch_size, t.seq_len, t.seed)
+        pipe = LocalPipeline(config)
+        reference = [pipe.train_step(s, batch_ids(*sampler.next_batch())).loss for s in range(t.steps)]
+    assert summary.steps == t.steps
+    assert max(abs(a - b) / b for a, b in zip(summary.losses, reference, strict=True)) < 1e-4
