@@ -10,7 +10,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 from bench import data as data_bench
-from bench import quality_report, scaling_report, state
+from bench import quality_report, scaling_report, state, verification
 
 
 def _table(rows: list[dict], columns: list[tuple[str, str, str]]) -> str:
@@ -140,6 +140,7 @@ def markdown(r: dict) -> str:
         *(state.section(r["state"]) if "state" in r else []),
         *(data_bench.section(r["data"]) if "data" in r else []),
         *scaling_report.section(r),
+        *(verification.section(r["verification"]) if "verification" in r else []),
         f"Section times (s): {', '.join(f'{k} {v:.0f}' for k, v in r['seconds'].items())}.",
     ]
     return "\n".join(out) + "\n"

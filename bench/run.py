@@ -38,6 +38,7 @@ from bench import (
     scaling,
     state,
     throughput,
+    verification,
     wan_replicas,
     wire,
 )
@@ -80,6 +81,7 @@ class BenchPlan:
     state: state.StatePlan | None = None
     data: data_bench.DataPlan | None = None
     scaling: scaling.ScalingPlan | None = None
+    verification: verification.VerificationPlan | None = None
 
 
 def plan(quick: bool) -> BenchPlan:
@@ -161,6 +163,13 @@ def plan(quick: bool) -> BenchPlan:
                 holders=(1, 2),
             ),
             scaling=scaling.quick_plan(),
+            verification=verification.VerificationPlan(
+                tiny,
+                TrainConfig(batch_size=4, seq_len=16, microbatches=2, lr=1e-2, warmup_steps=1),
+                steps=3,
+                honest_seeds=1,
+                trials=200,
+            ),
         )
     small = MODEL_PRESETS["small"]
     return BenchPlan(
@@ -254,6 +263,12 @@ def plan(quick: bool) -> BenchPlan:
         data=data_bench.DataPlan(),
         state=state.StatePlan(small, TrainConfig(batch_size=8, seq_len=128, microbatches=2)),
         scaling=scaling.full_plan(),  # CPU hours; its runs are cached (python -m bench.scaling runs parts)
+        verification=verification.VerificationPlan(
+            MODEL_PRESETS["tiny"],
+            TrainConfig(batch_size=8, seq_len=32, microbatches=4, lr=1e-2, warmup_steps=2),
+            steps=12,
+            honest_seeds=20,
+        ),
     )
 
 
@@ -370,6 +385,8 @@ def sections(p: BenchPlan, quick: bool, cache: Path | None = None) -> dict[str, 
         out["state"] = lambda: state.run(p.state)
     if p.data is not None:
         out["data"] = lambda: data_bench.run(p.data, Path(tempfile.gettempdir()) / "swarm-bench-data")
+    if p.verification is not None:
+        out["verification"] = lambda: verification.run(p.verification)
     if p.scaling is not None:
         runs = cache.parent / "scaling-runs" if cache else Path(tempfile.mkdtemp(prefix="swarm-scaling-"))
         out["scaling"] = lambda: _scaling(p.scaling, runs)

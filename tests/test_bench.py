@@ -17,6 +17,7 @@ from swarm.core.profiles import ComputeProfile, load_profile
 from swarm.core.subspace import initial_artifacts
 
 
+@pytest.mark.timeout(900)  # every section once, small
 def test_quick_bench_writes_results(tmp_path, capsys):
     assert main(["bench", "--quick", "--out", str(tmp_path)]) == 0
     results = json.loads((tmp_path / "results.json").read_text())
@@ -100,6 +101,15 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     cpu = results["relay"]["cpu"]
     assert cpu["megabytes"] == 64 and cpu["megabytes_per_s"] > 0 and cpu["relay_cpu_seconds"] > 0
     assert "## Relays" in report
+    audits = results["verification"]  # every lie flagged, no honest microbatch flagged
+    assert {(x["precision"], x["mode"]) for x in audits["modes"]} == {
+        (p, m) for p in ("fp32", "bf16") for m in ("sign", "noise", "stale", "skip")
+    }
+    assert all(x["q"] == 1.0 for x in audits["modes"]) and all(
+        x["false_alarms"] == 0 for x in audits["honest"]
+    )
+    assert all(0 < e["caught"] <= 1 and 0 <= e["simulated"] <= 1 for e in audits["epochs"])
+    assert "## Verification: sampled recomputation" in report
     grid = results["scaling"]  # two widths, dense and subspace k=4, tuned at 32 and carried to 64
     assert {(t["parametrisation"], t["kind"]) for t in grid["tuned"]} == {
         ("mup", "dense"),

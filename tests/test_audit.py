@@ -1,0 +1,135 @@
+"""Verification's core: commitments bind payloads, the draw is keyed, an auditor recomputes a stage
+exactly and flags every fault mode, honest bf16 nodes pass the cross-precision tolerance."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+import torch
+
+from bench.faults import MODES, Auditor, Fault, Recorder
+from swarm.core.config import MODEL_PRESETS, CodecConfig, DataConfig, RunConfig, TrainConfig
+from swarm.io.data import batch_ids, load_dataset
+from swarm.runtime.audit import (
+    TOLERANCES,
+    CommitLog,
+    CommitmentError,
+    FrameKey,
+    compare,
+    drawn,
+    recompute,
+    tensor_payload,
+)
+from swarm.runtime.pipeline import LocalPipeline
+
+
+def key(step: int = 3, microbatch: int = 1, direction: str = "forward") -> FrameKey:
+    return FrameKey("run-1", 2, step, microbatch, 1, step, direction)
+
+
+def test_a_payload_is_bound_to_its_key_and_cannot_be_swapped():
+    log = CommitLog(window=2)
+    payload = tensor_payload(torch.arange(6.0).reshape(2, 3))
+    digest = log.commit(key(), payload)
+    log.verify(key(), payload, digest)
+    altered = tensor_payload(torch.arange(6.0).reshape(2, 3) * -1)
+    with pytest.raises(CommitmentError, match="does not match"):
+        log.verify(key(), altered, digest)
+    with pytest.raises(CommitmentError, match="does not match"):  # the same bytes at another step
+        log.verify(key(step=4), payload, digest)
+    with pytest.raises(CommitmentError, match="does not match"):  # the same values, another shape
+        log.verify(key(), tensor_payload(torch.arange(6.0).reshape(3, 2)), digest)
+    with pytest.raises(CommitmentError, match="already committed"):
+        log.commit(key(), altered)
+    assert log.commit(key(), payload) == digest  # committing the same again is harmless
+    log.commit(key(step=4), payload)
+    log.prune(5)  # the window keeps steps 4 and 5
+    assert len(log) == 1 and log.payload(key(step=4)) == payload
+    with pytest.raises(KeyError):
+        log.payload(key())
+    with pytest.raises(ValueError, match="direction"):
+        key(direction="sideways")
+
+
+def test_the_draw_is_a_keyed_sample_at_the_rate():
+    secret = os.urandom(16)
+    assert drawn(secret, 5, 1, 64, 0.3) == drawn(secret, 5, 1, 64, 0.3)
+    assert drawn(secret, 5, 1, 64, 0.0) == [] and drawn(secret, 5, 1, 64, 1.0) == list(range(64))
+    hits = sum(len(drawn(secret, step, 1, 100, 0.02)) for step in range(200))
+    assert 300 <= hits <= 500  # 20000 draws at 2%: 400 expected, sd 20
+    other = os.urandom(16)
+    assert [drawn(secret, s, 1, 100, 0.1) for s in range(5)] != [
+        drawn(other, s, 1, 100, 0.1) for s in range(5)
+    ]
+    with pytest.raises(ValueError, match="rate"):
+        drawn(secret, 0, 0, 4, 1.5)
+
+
+def test_compare_scores_a_sign_flip_noise_nan_and_a_wrong_shape():
+    x = torch.randn(4, 8, 16)
+    assert compare(x, x).rel_l2 == 0 and compare(x, x).cosine == pytest.approx(1)
+    flipped = compare(x, -x)
+    assert flipped.rel_l2 == pytest.approx(2) and flipped.cosine == pytest.approx(-1)
+    nan = x.clone()
+    nan[0, 0, 0] = float("nan")
+    assert compare(x, nan).rel_l2 == float("inf") and compare(x, x[:2]).rel_l2 == float("inf")
+
+
+def pipeline(precision: str = "fp32") -> tuple[RunConfig, LocalPipeline]:
+    config = RunConfig(
+        model=dataclasses.replace(MODEL_PRESETS["tiny"]),
+        train=TrainConfig(
+            batch_size=4, seq_len=16, microbatches=2, lr=1e-2, warmup_steps=1, precision=precision
+        ),
+        codec=CodecConfig(kind="subspace"),
+        data=DataConfig(tokenizer="byte"),
+        n_stages=3,
+    )
+    return config, LocalPipeline(config)
+
+
+def audited_steps(config: RunConfig, pipe: LocalPipeline, mode: str | None, steps: int = 3) -> list[tuple]:
+    """(step, comparison) of every microbatch of stage 1 (a middle one), lying in ``mode``."""
+    t = config.train
+    sampler = load_dataset(config).sampler(t.batch_size, t.seq_len, t.seed)
+    worker = pipe.workers[1]
+    auditor = Auditor(worker)
+    fault = Fault(worker, mode) if mode else None
+    recorder = Recorder(worker)
+    out = []
+    for step in range(steps):
+        auditor.sync()
+        pipe.train_step(step, batch_ids(*sampler.next_batch()))
+        if fault:
+            fault.stepped()
+        out += [(step, auditor.check(*kept)) for kept in recorder.take()]
+    return out
+
+
+def test_an_auditor_recomputes_an_honest_stage_exactly_forward_and_backward():
+    config, pipe = pipeline()
+    assert all(c.rel_l2 == 0 for _, c in audited_steps(config, pipe, None))
+    stage = pipe.workers[1].stage
+    tokens = torch.randint(0, 256, (2, 16))
+    x_in = torch.randn(2, 16, config.model.d_model, requires_grad=True)
+    grad_out = torch.randn(2, 16, config.model.d_model)
+    stage(tokens, x_in).backward(grad_out)
+    out, grad_in = recompute(stage, tokens, x_in, grad_out)
+    assert torch.equal(out, stage(tokens, x_in).detach()) and torch.equal(grad_in, x_in.grad)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_every_fault_mode_is_flagged_on_every_audited_lie(mode):
+    config, pipe = pipeline()
+    tolerance = TOLERANCES[(False, "bf16")]  # the loosest tolerance still catches them
+    checked = [c for step, c in audited_steps(config, pipe, mode) if step > 0]  # step 0: stale = current
+    assert checked and all(not c.within(tolerance) for c in checked), [c.rel_l2 for c in checked]
+
+
+def test_an_honest_bf16_node_passes_an_fp32_auditor():
+    config, pipe = pipeline("bf16")
+    checked = [c for _, c in audited_steps(config, pipe, None)]
+    assert all(c.within(TOLERANCES[(False, "bf16")]) for c in checked)
+    assert any(c.rel_l2 > 0 for c in checked)  # not the same arithmetic: the tolerance is needed
