@@ -41,6 +41,12 @@ REJECTION_STATUS = {
 }
 
 
+def new_operator_token() -> str:
+    """A fresh shared join token: hex, so it never starts with ``-`` (``--token -x...`` would be
+    read as a flag; one urlsafe token in 64 did)."""
+    return secrets.token_hex(32)
+
+
 def admit_operator_token(tokens: JoinTokens, token: str | None, state_file: Path) -> None:
     """Record the operator's ``token``; with none and no valid token in the state, one kept in
     ``STATE.token`` (mode 0600, created once)."""
@@ -48,7 +54,7 @@ def admit_operator_token(tokens: JoinTokens, token: str | None, state_file: Path
         return
     if token is None:
         path = state_file.with_name(state_file.name + ".token")
-        token = kept_secret(path, lambda: secrets.token_urlsafe(32))
+        token = kept_secret(path, new_operator_token)
         log.warning("no join token given: nodes join with the one in %s (mode 0600)", path)
     if tokens.add(token, SHARED_TOKEN_LABEL).revoked is not None:
         log.warning(

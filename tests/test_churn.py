@@ -259,6 +259,8 @@ def replace_the_host_of_stage_1(
             "both keepers holding stage 1 of the latest cut",
             60,
         )
+        # while every node runs (at the end they leave, and the final cut goes to the coordinator)
+        assert "stay with their hosts and 2 keeper(s)" in status(address).snapshot_holding
         n1.p.kill()
         wait_status(address, lambda r: not r.nodes[1].alive, "n1 declared dead", 30)
         before_join()
@@ -283,7 +285,7 @@ def test_a_newcomer_fetches_its_stage_from_two_keepers_and_the_coordinator_keeps
     final, fresh = replace_the_host_of_stage_1(tmp_path, reference)
     resume = resumed_from(fresh, 1)[0]
     assert fetched_from(fresh, 1, resume - 1) == 2  # restored bit for bit: the run reproduces its losses
-    assert "stay with their hosts and 2 keeper(s)" in final.snapshot_holding and not final.bad_holders
+    assert not final.bad_holders
     with sqlite3.connect(tmp_path / "state.sqlite") as db:
         rows = db.execute("SELECT digest FROM checkpoints WHERE step = ?", (STEPS - 1,)).fetchall()
     on_disk = {path.stem for path in (tmp_path / "state.sqlite.artifacts").glob("*")}
@@ -325,6 +327,8 @@ def test_sigterm_leaves_after_a_final_cut_and_the_replacement_loses_nothing(tmp_
     assert witness.report(final).steps_redone == 0
 
 
+# 25 s with both cores hogged; the other churn tests keep the reaping paths in the default suite
+@pytest.mark.slow
 def test_readme_recipe_on_a_busy_cpu_reaps_nobody_during_setup(tmp_path):
     """Two processes keep both cores busy while the nodes set up (BPE tokenizer, model build)."""
     hogs = [

@@ -209,6 +209,8 @@ def steady_rate(steps) -> float:
     return sum(s.tokens for s in steady) / sum(s.wall_seconds for s in steady)
 
 
+# a minute of training to compare throughputs; the replicas suite keeps exactness by default
+@pytest.mark.slow
 def test_a_joining_node_becomes_a_replica_of_the_bottleneck_stage_and_throughput_rises(tmp_path):
     """Stage 1 computes 20x slower than it would (emulation.slowdown). A node joining the running
     two-node swarm becomes a replica of stage 1, not of the fast stage 0, and takes most of its

@@ -14,9 +14,11 @@ from pathlib import Path
 import grpc
 import pytest
 from swarm.coordinator.cli import build_parser
+from swarm.coordinator.gate import new_operator_token
 from swarm.coordinator.sessions import SessionRefused, Sessions
 from swarm.coordinator.state import CoordinatorState
 from swarm.coordinator.tokens import JoinTokens, token_id
+from swarm.node import cli as node_cli
 
 from swarm._proto.swarm.v1 import coordinator_pb2
 from swarm.net.credentials import session_metadata
@@ -196,3 +198,13 @@ def test_token_options_may_come_before_the_id():
     assert (args.action, args.id, args.state) == ("revoke", "3f9c2a", "run.sqlite")
     with pytest.raises(SystemExit):
         parser.parse_args(["token", "revoke", "--state", "run.sqlite"])  # no id: refused, not "revoke ''"
+
+
+def test_a_generated_operator_token_is_never_read_as_a_flag():
+    """``swarm-node join --token T`` with a T that starts with ``-`` fails to parse (a shared token
+    once did, one run in 64): generated tokens are hex."""
+    parser = node_cli.build_parser()
+    for _ in range(300):
+        token = new_operator_token()
+        assert len(token) == 64 and not token.startswith("-")
+        assert parser.parse_args(["join", "--coordinator", "127.0.0.1:1", "--token", token]).token == token
