@@ -332,7 +332,7 @@ def full(
     result = run(plan, dataset, cache, progress, cached_only)
     saved = cache / "coordinate-check.json"
     widths = plan.run_widths
-    if saved.exists() and json.loads(saved.read_text()).get("widths") == widths:
+    if saved.exists() and (cached_only or json.loads(saved.read_text()).get("widths") == widths):
         result["coordinate"] = json.loads(saved.read_text())
     elif not cached_only:
         progress("scaling: coordinate check")
