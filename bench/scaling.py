@@ -330,10 +330,11 @@ def full(
 ) -> dict:
     """The section: the grid (:func:`run`), the coordinate check (kept in ``cache`` once run) and the law."""
     result = run(plan, dataset, cache, progress, cached_only)
-    saved = cache / "coordinate-check.json"
     widths = plan.run_widths
-    if saved.exists() and (cached_only or json.loads(saved.read_text()).get("widths") == widths):
-        result["coordinate"] = json.loads(saved.read_text())
+    saved = cache / f"coordinate-check-{'-'.join(map(str, widths))}.json"
+    kept = sorted(cache.glob("coordinate-check-*.json"), key=lambda p: len(p.stem))  # the widest last
+    if saved.exists() or (cached_only and kept):
+        result["coordinate"] = json.loads((saved if saved.exists() else kept[-1]).read_text())
     elif not cached_only:
         progress("scaling: coordinate check")
         result["coordinate"] = {"widths": widths, **coordinate(plan, dataset)}

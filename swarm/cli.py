@@ -410,7 +410,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     print(
         f"An estimate: the gap law ({law.source}) is extrapolated from small widths; "
         f"steps and 'sooner' take the gap + its uncertainty; recommended: the soonest to dense's loss "
-        f"whose gap + uncertainty <= {100 * args.max_gap:g}%."
+        f"whose predicted gap <= {100 * args.max_gap:g}%."
     )
     return 0
 
@@ -428,7 +428,7 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--microbatch-tokens", type=int, default=2048)
     p.add_argument("--ranks", default="10,20,40,80", help="candidate subspace ranks")
     p.add_argument("--steps", type=int, default=1000, help="the horizon the gap is predicted at")
-    p.add_argument("--max-gap", type=float, default=0.05, help="the largest gap (+ uncertainty) accepted")
+    p.add_argument("--max-gap", type=float, default=0.03, help="the largest predicted gap accepted")
     p.add_argument("--law", default=str(DEFAULT_LAW), help="a law file or a scaling bench result")
     p.set_defaults(func=cmd_plan)
 

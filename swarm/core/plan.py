@@ -13,8 +13,8 @@ stages (GPipe, a flush per step):
   ``g`` is the predicted gap plus its uncertainty, and never below zero (no method is credited with
   beating dense per step).
 
-The recommendation is the soonest to dense's loss among the methods whose pessimistic gap stays
-within ``max_gap``; dense when none does. All of it is an estimate.
+The recommendation is the soonest to dense's loss (so counted) among the methods whose predicted
+gap is within ``max_gap``; dense when none is. All of it is an estimate.
 """
 
 from __future__ import annotations
@@ -73,10 +73,6 @@ class Candidate:
     steps_factor: float  # steps to dense's final loss over dense's (pessimistic gap)
     speedup: float  # dense's time to its final loss over this method's (pessimistic gap)
 
-    @property
-    def worst_gap(self) -> float:
-        return self.gap + self.uncertainty
-
 
 def tokens_per_second(
     model: ModelConfig,
@@ -132,6 +128,6 @@ def plan(
 
 
 def recommend(candidates: list[Candidate], max_gap: float) -> Candidate:
-    """The soonest to dense's loss among those whose gap plus uncertainty is within ``max_gap``."""
-    allowed = [c for c in candidates if c.rank == 0 or c.worst_gap <= max_gap]
+    """The soonest to dense's loss among those whose predicted gap is within ``max_gap``."""
+    allowed = [c for c in candidates if c.rank == 0 or c.gap <= max_gap]
     return max(allowed, key=lambda c: c.speedup)
