@@ -19,11 +19,7 @@ py=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
 
-if [ "${GPU_CHECK_INSTALL:-1}" = "1" ]; then
-  [ -d .whl ] || { echo "no .whl/: run 'make gpu-wheels' here and carry .whl" >&2; exit 2; }
-  "$py" -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl || exit 3
-  "$py" -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 3
-fi
+. bench/gpu_install.sh
 {
   date -u +%FT%TZ
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1

@@ -13,11 +13,7 @@ out=${OUT:-bench/results/gpu-scaling}
 py=${PYTHON:-python3}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
-if [ "${GPU_CHECK_INSTALL:-1}" = "1" ]; then
-  [ -d .whl ] || { echo "no .whl/: run 'make gpu-wheels' here and carry .whl" >&2; exit 2; }
-  "$py" -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl || exit 3
-  "$py" -m pip install -q --no-index --no-deps --no-build-isolation -e . || exit 3
-fi
+. bench/gpu_install.sh
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader 2>&1 | tee "$out/device.txt"
 timeout 540 "$py" -m bench.scaling --out "$out" --precision bf16 --widths 128,2048 --ranks 16,32 \
   --check-widths '' --no-control 2>&1 | tee "$out/scaling.log"

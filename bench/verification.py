@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import random
 import time
 from dataclasses import dataclass
 
@@ -102,8 +103,6 @@ def simulate(
     p: float, f: float, q: float, microbatches: int, steps: int, trials: int, seed: int = 0
 ) -> float:
     """The share of simulated epochs (fresh secret each) in which a lie is drawn and flagged."""
-    import random
-
     rng = random.Random(seed)
     caught = 0
     for _ in range(trials):
