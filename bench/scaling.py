@@ -12,6 +12,9 @@ bottleneck, with AdamW or Muon):
    a tuned lr over without muP).
 3. **Check the transfer** (``check_widths``): a local sweep one grid point each way at the
    wider width; the transfer holds if the tuned lr is still the best of the three.
+4. **More seeds** (``extra_seeds``): every method again at its best lr measured at that width
+   under muP with other seeds (the same tokens, other inits and sample order); the table reports the
+   mean over seeds and each seed's gap, since two seeds of one variant end ~1% apart here.
 
 Runs are cached one JSON per run under their configuration's hash (:func:`bench.quality.curve`),
 so the section resumes where it stopped and a second session extends the grid. Every run trains
@@ -66,7 +69,8 @@ class ScalingPlan:
     eval_every: int = 100
     eval_batches: int = 8
     lr_start: float = 4e-3
-    seed: int = 0
+    seed: int = 0  # the seed every lr is tuned and transferred at
+    extra_seeds: list[int] = field(default_factory=list)  # rerun at the chosen lrs with these seeds
     check_widths: list[int] = field(default_factory=list)  # widths with a local sweep around the transfer
     control: bool = True  # also run the standard parametrisation at the transferred lr
     optimizers: list[str] = field(default_factory=lambda: ["adamw"])
@@ -112,12 +116,14 @@ def width_model(plan: ScalingPlan, d: int, method: Method, parametrisation: str)
 
 
 def run_variant(
-    plan: ScalingPlan, d: int, method: Method, lr: float, parametrisation: str
+    plan: ScalingPlan, d: int, method: Method, lr: float, parametrisation: str, seed: int
 ) -> tuple[Variant, QualityPlan]:
     """One grid point as the quality section's variant and plan (so its curves share the cache format)."""
     model = width_model(plan, d, method, parametrisation)
     codec = CodecConfig(kind="subspace" if method.kind == "subspace" else "identity")
-    name = f"d={d} {method.name} lr={lr:.3g} {parametrisation}"
+    name = f"d={d} {method.name} lr={lr:.3g} {parametrisation}" + (
+        f" seed={seed}" if seed != plan.seed else ""
+    )
     train = TrainConfig(
         steps=plan.steps,
         batch_size=plan.batch_size,
@@ -126,7 +132,7 @@ def run_variant(
         optimizer=method.optimizer,
         precision=plan.precision,
         eval_every=plan.eval_every,
-        seed=plan.seed,
+        seed=seed,
     )
     quality_plan = QualityPlan(model, train, plan.n_stages, [name], [], eval_batches=plan.eval_batches)
     return Variant(name, model, codec), quality_plan
@@ -147,12 +153,15 @@ class Grid:
         self.cached_only = cached_only  # report what was run; train nothing
         self.results: list[dict] = []
 
-    def loss(self, d: int, method: Method, lr: float, parametrisation: str = "mup") -> float:
+    def loss(
+        self, d: int, method: Method, lr: float, parametrisation: str = "mup", seed: int | None = None
+    ) -> float:
         """The final validation loss of one run (inf if it diverged); trains it unless cached
-        (NaN for a run not in the cache when ``cached_only``)."""
+        (NaN for a run not in the cache when ``cached_only``). ``seed``: the plan's unless given."""
         if d == self.plan.widths[0] and method.kind != "subspace":
             parametrisation = "mup"  # the same model as the standard one at the base width
-        variant, quality_plan = run_variant(self.plan, d, method, lr, parametrisation)
+        seed = self.plan.seed if seed is None else seed
+        variant, quality_plan = run_variant(self.plan, d, method, lr, parametrisation, seed)
         key = run_key(variant.config(quality_plan.train, quality_plan.n_stages), quality_plan.eval_batches)
         if self.cached_only and not (self.cache / f"{key}.json").exists():
             return math.nan
@@ -166,6 +175,7 @@ class Grid:
             "optimizer": method.optimizer,
             "lr": lr,
             "parametrisation": parametrisation,
+            "seed": seed,
             "final": row.get("final_val_loss", math.inf),
             "curve": row.get("val_curve", []),
             "compression": row.get("compression_vs_dense_bf16"),
@@ -173,6 +183,17 @@ class Grid:
         }
         self.results.append(entry)
         return entry["final"]
+
+    def best_lr(self, d: int, method: Method, default: float) -> float:
+        """The lr of the best muP run of ``method`` at width ``d`` on the plan's seed so far."""
+        runs = [
+            r
+            for r in self.results
+            if (r["d"], r["method"], r["parametrisation"], r["seed"])
+            == (d, method.name, "mup", self.plan.seed)
+            and math.isfinite(r["final"])
+        ]
+        return min(runs, key=lambda r: r["final"])["lr"] if runs else default
 
     def tune(self, d: int, method: Method, parametrisation: str) -> float:
         """The best lr on the factor-2 grid, extended until the best point has worse neighbours."""
@@ -231,6 +252,10 @@ def run(
             if plan.control:
                 grid.loss(d, method, tuned_lr(tuned, method, "standard"), "standard")
             transfer.append({"d": d, "method": method.name, "lr": lr, "check": check})
+    for seed in plan.extra_seeds:
+        for d in plan.run_widths:
+            for method in plan.methods(d):
+                grid.loss(d, method, grid.best_lr(d, method, tuned_lr(tuned, method, "mup")), "mup", seed)
     return {
         "plan": dataclasses.asdict(plan),
         "tuned": [
@@ -239,23 +264,37 @@ def run(
         ],
         "transfer": transfer,
         "runs": grid.results,
-        "table": table(grid.results, plan.steps),
+        "table": table(grid.results, plan.steps, plan.seed),
     }
 
 
-def table(runs: list[dict], steps: int) -> list[dict]:
-    """Per width and parametrisation, each method at its tuned (or transferred) lr: loss at equal steps,
-    gap to dense, and the steps it needs to reach dense's final loss. Dense is the best dense run at
+def table(runs: list[dict], steps: int, base_seed: int = 0) -> list[dict]:
+    """Per width and parametrisation, each method at its best lr (chosen on the base seed's runs):
+    loss at equal steps (the mean over the seeds run at that lr), gap to dense, each seed's gap, and
+    the steps the base seed's run needs to reach dense's final loss. Dense is the best dense run at
     that width under either parametrisation (each side at its own best hyperparameters)."""
     best: dict[tuple, dict] = {}
     for r in runs:
         key = (r["d"], r["parametrisation"], r["method"])
-        if key not in best or r["final"] < best[key]["final"]:
+        if r.get("seed", base_seed) == base_seed and (key not in best or r["final"] < best[key]["final"]):
             best[key] = r
+    by_seed: dict[tuple, dict[int, float]] = {}
+    for r in runs:
+        if math.isfinite(r["final"]):
+            point = (r["d"], r["parametrisation"], r["method"], r["lr"])
+            by_seed.setdefault(point, {})[r.get("seed", base_seed)] = r["final"]
+
+    def seeds(r: dict) -> dict[int, float]:
+        return by_seed.get((r["d"], r["parametrisation"], r["method"], r["lr"]), {})
+
+    def mean(r: dict) -> float:
+        finals = seeds(r)
+        return sum(finals.values()) / len(finals) if finals else r["final"]
+
     rows = []
     for (d, par, name), r in sorted(best.items(), key=lambda item: (item[0][0], item[0][1], item[1]["rank"])):
         denses = [x for (dd, _, _), x in best.items() if dd == d and x["kind"] == "dense"]
-        dense = min(denses, key=lambda x: x["final"], default=None)  # the best dense, any optimizer
+        dense = min(denses, key=mean, default=None)  # the best dense, any optimizer
         row = {
             "d": d,
             "parametrisation": par,
@@ -263,11 +302,14 @@ def table(runs: list[dict], steps: int) -> list[dict]:
             "kind": r["kind"],
             "rank": r["rank"],
             "lr": r["lr"],
-            "loss": r["final"],
+            "loss": mean(r),
+            "seeds": len(seeds(r)) or 1,
             "compression": r["compression"],
         }
         if dense is not None and r["curve"]:
-            row["gap"] = r["final"] / dense["final"] - 1
+            row["gap"] = mean(r) / mean(dense) - 1
+            both = sorted(set(seeds(r)) & set(seeds(dense)))
+            row["seed_gaps"] = [seeds(r)[s] / seeds(dense)[s] - 1 for s in both]
             reached = steps_to(r["curve"], dense["final"])
             row["steps_to_dense"] = reached / steps if reached is not None else None
             row["loss_at_half"] = loss_at(r["curve"], steps // 2)
@@ -340,7 +382,7 @@ def full(
         result["coordinate"] = {"widths": widths, **coordinate(plan, dataset)}
         cache.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(result["coordinate"]))
-    result["law"] = law_summary(result["runs"], plan.steps)
+    result["law"] = law_summary([r for r in result["runs"] if r["seed"] == plan.seed], plan.steps)
     return result
 
 
@@ -391,6 +433,9 @@ def main() -> None:
     parser.add_argument("--optimizers", default="adamw")
     parser.add_argument("--ranks", default="", help="comma-separated ranks (default: the plan's)")
     parser.add_argument(
+        "--extra-seeds", default="", help="comma-separated seeds to rerun every method at its chosen lr"
+    )
+    parser.add_argument(
         "--contenders", default="", help="kind:optimizer,... e.g. bottleneck:adamw,dense:muon"
     )
     args = parser.parse_args()
@@ -406,6 +451,8 @@ def main() -> None:
         plan.control = False
     if args.ranks:
         plan.ranks = [int(k) for k in args.ranks.split(",")]
+    if args.extra_seeds:
+        plan.extra_seeds = [int(s) for s in args.extra_seeds.split(",")]
     if args.contenders:
         plan.contenders = [tuple(c.split(":")) for c in args.contenders.split(",")]
     out = Path(args.out)

@@ -25,6 +25,14 @@ def _pct(x: float | None) -> str:
     return "n/a" if x is None or not math.isfinite(x) else f"{100 * x:+.1f}%"
 
 
+def _gap_cell(row: dict) -> str:
+    """The gap, with each seed's where more than one was run."""
+    per_seed = row.get("seed_gaps", [])
+    if len(per_seed) < 2:
+        return _pct(row["gap"])
+    return f"{_pct(row['gap'])} ({', '.join(_pct(g) for g in per_seed)})"
+
+
 def _times(x: float | None) -> str:
     return "not reached" if x is None else f"{x:.2f}x"
 
@@ -43,8 +51,9 @@ def section(r: dict) -> list[str]:
         f"{s['plan']['n_layers']} layers in {s['plan']['n_stages']} stages, heads of 64, d_ff ~2.69 d; "
         f"learning rates tuned at d = {s['plan']['widths'][0]} on a factor-2 grid (best point interior), "
         "then transferred. Gap: final validation loss over the best dense run's at that width "
-        "(either parametrisation), each at its own best lr; one seed (two runs differing only in seed "
-        "end ~1% apart: a gap under ~2 points decides nothing).",
+        "(either parametrisation), each at its own best lr. Two runs differing only in seed end ~1% "
+        "apart, so a gap under ~2 points decides nothing on one seed: where a point was rerun with "
+        "more seeds at the same lr, the gap is that of the mean losses, each seed's gap in brackets.",
         "",
         "Tuned at the base width:",
         "",
@@ -61,17 +70,17 @@ def section(r: dict) -> list[str]:
         "|---|" + "---|" * len(widths),
     ]
     for kind, k in sorted({(kind, k) for kind, k, _ in best if kind != "dense"}):
-        cells = [_pct(best[(kind, k, d)]["gap"]) if (kind, k, d) in best else "-" for d in widths]
+        cells = [_gap_cell(best[(kind, k, d)]) if (kind, k, d) in best else "-" for d in widths]
         out.append(f"| {kind} k={k} | " + " | ".join(cells) + " |")
     out += [
         "",
         "Each method at its best lr measured at that width (the transferred one or a neighbour):",
         "",
-        "| d | parametrisation | method | lr | loss | gap | steps to dense's loss |",
-        "|---|---|---|---|---|---|---|",
+        "| d | parametrisation | method | lr | seeds | loss (mean) | gap | steps to dense's loss |",
+        "|---|---|---|---|---|---|---|---|",
         *(
             f"| {row['d']} | {row['parametrisation']} | {row['method']} | {row['lr']:.3g} | "
-            f"{row['loss']:.3f} | {_pct(row.get('gap'))} | "
+            f"{row.get('seeds', 1)} | {row['loss']:.3f} | {_pct(row.get('gap'))} | "
             f"{_times(row.get('steps_to_dense'))} |"
             for row in s["table"]
         ),

@@ -44,10 +44,11 @@ def test_quick_bench_writes_results(tmp_path, capsys):
     assert paper["profile"]["name"] == "h200-2b-8layer-mb512"  # a measured GPU profile
     calm, churned = results["churn"]
     assert calm["kills"] == 0 and calm["steps"] == churned["steps"] == 150
-    # Every kill was recovered from (a fresh node took the stage) and cost at most two cuts' worth of
-    # steps: a cut counts once a keeper holds it, so a kill just after a cut may resume from the one before.
+    # Every kill was recovered from (a fresh node took the stage) and resumed from the newest cut that
+    # was durable when the node died (a cut counts once a keeper holds it, which on a loaded machine
+    # may lag the cut by more than an interval), never from an older one.
     assert churned["kills"] >= 1 and churned["recoveries"] == churned["kills"]
-    assert all(0 <= k["steps_redone"] <= 2 * 5 for k in churned["kills_detail"])
+    assert all(0 <= k["steps_redone"] <= k["progress"] - k["cut"] for k in churned["kills_detail"])
     assert 0 < churned["retained"] < 1.5
     report = (tmp_path / "results.md").read_text()
     assert "## Churn" in report and "## The README's multi-host recipe" in report

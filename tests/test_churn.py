@@ -116,7 +116,8 @@ class Witness:
         self.scenario, self.monkey = scenario, ChaosMonkey(every_s=0)
 
     def lost(self, address: str, node: str) -> None:
-        self.monkey.killed(node, status(address).steps_completed - 1)
+        reply = status(address)
+        self.monkey.killed(node, reply.steps_completed - 1, reply.latest_cut - 1)
 
     def report(self, final: coordinator_pb2.StatusReply) -> Kill:
         self.monkey.observe({s.step: s.completed_at for s in final.steps})

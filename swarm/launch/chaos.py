@@ -6,7 +6,8 @@ read off the coordinator's step summaries, whose ``completed_at`` is the time of
 step's latest completion: the run rolls back to its latest checkpoint cut, so the steps
 after that cut complete again, and
 
-* **steps redone** = progress at the kill − (first redone step − 1), and
+* **steps redone** = progress at the kill − (first redone step − 1): at most progress − the
+  newest durable cut the coordinator had reported before the kill (``cut``), and
 * **recovery time** = first completion, after the kill, of a step that had already been
   completed before it (or, when nothing had to be redone, of a step past the one that
   may still have been in flight) − the kill time.
@@ -24,6 +25,7 @@ class Kill:
     at: float  # unix time
     node: str
     progress: int  # last step completed by every stage when the node was killed (-1: none)
+    cut: int  # the newest durable cut the coordinator had reported by then (-1: none)
     recovery_s: float | None = None
     steps_redone: int | None = None
 
@@ -45,8 +47,8 @@ class ChaosMonkey:
         self._next = time.time() + self.every_s
         return self.rng.choice(sorted(hosts))
 
-    def killed(self, node: str, progress: int) -> None:
-        self.kills.append(Kill(time.time(), node, progress))
+    def killed(self, node: str, progress: int, cut: int) -> None:
+        self.kills.append(Kill(time.time(), node, progress, cut))
 
     def observe(self, completed_at: dict[int, float]) -> None:
         """Update recovery from ``step -> completed_at`` (all steps, polled after each completion)."""

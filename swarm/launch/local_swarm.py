@@ -419,7 +419,7 @@ def _churn(chaos: ChaosMonkey, poller: StatusPoller, swarm: _Nodes) -> None:
         return
     name = chaos.pick(hosts)
     swarm.kill(name)
-    chaos.killed(name, len(poller.steps) - 1)
+    chaos.killed(name, len(poller.steps) - 1, poller.latest_cut)
     swarm.start()
 
 
@@ -497,6 +497,7 @@ class StatusPoller:
         self.run_complete = False
         self.epochs_restarted = 0
         self.resume_step = 0  # where the current plan epoch resumed
+        self.latest_cut = -1  # the newest durable checkpoint cut (-1: none yet)
 
     def poll(self) -> list[coordinator_pb2.StepSummary]:
         """The steps completed for the first time since the last poll."""
@@ -505,6 +506,7 @@ class StatusPoller:
         self.steps = list(reply.steps)
         self.nodes, self.run_complete = list(reply.nodes), reply.run_complete
         self.epochs_restarted, self.resume_step = reply.epochs_restarted, reply.resume_step
+        self.latest_cut = reply.latest_cut - 1
         return new
 
     def close(self) -> None:
