@@ -159,8 +159,8 @@ def plan(quick: bool) -> BenchPlan:
                 TrainConfig(batch_size=4, seq_len=32, microbatches=2),
                 n_stages=2,
                 steps=3,
-                state_bytes=32 << 20,
-                holders=(1, 2),
+                state_bytes=8 << 20,
+                holders=(2,),
             ),
             scaling=scaling.quick_plan(),
             verification=verification.VerificationPlan(

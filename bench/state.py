@@ -5,12 +5,15 @@
   (:func:`swarm.io.checkpoint.capture`), is timed against the step time. The same copy of
   ``state_bytes`` of tensors says what it costs a large stage.
 * **Restore from holders.** ``state_bytes`` of snapshot are held by 1, 2 or 3 holders, each a real
-  ``Stage`` gRPC server on 127.0.0.1 serving its chunks at most at ``holder_mbps`` (the serving cap
-  of ``swarm-node join --snapshot-mbps``: an emulated uplink, paced in the transport, no RTT); the
-  node's fetcher takes them from all at once and verifies every chunk. Reported: seconds, the
-  ratio to the ideal ``state_bytes / (holders x holder rate)``, and the bytes that went through the
-  coordinator (none: it keeps manifests). Holders and fetcher share this machine's cores, so the
-  hashing (sha256 of every chunk, and of the whole) is in the times.
+  node's ``Stage`` gRPC snapshot server (:mod:`bench.state_hosts`); the node's fetcher takes the
+  chunks from all at once and verifies every one. Where network namespaces work, holders and the
+  newcomer are processes on emulated hosts whose access links run at ``holder_mbps`` each way
+  (:class:`bench.netns.EmulatedNetwork`: rate limits, no added delay), so the newcomer's downlink
+  is the limit and the ideal is ``state_bytes / downlink``; elsewhere the holders run in this
+  process on loopback, paced at ``holder_mbps`` in the transport (``--snapshot-mbps``), and the
+  ideal is ``state_bytes / (holders x holder rate)``. Reported: seconds, the ratio to the ideal,
+  each holder's served bytes, and the bytes that went through the coordinator (none: it keeps
+  manifests). Everything shares this machine's cores, so the hashing is in the times.
 """
 
 from __future__ import annotations
@@ -18,26 +21,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import json
 import os
+import select
+import subprocess
+import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
-import grpc
 import torch
-from swarm.node.snapshot_fetch import SnapshotFetcher
-from swarm.node.snapshot_server import SnapshotServer
-from swarm.node.stage_service import StageService
 
+from bench import netns, state_hosts
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
-from swarm._proto.swarm.v1 import stage_pb2_grpc
 from swarm.core.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from swarm.io import checkpoint
-from swarm.io.checkpoint import SnapshotStore
 from swarm.io.data import BatchSampler, batch_ids, load_dataset
-from swarm.io.manifest import CHUNK_BYTES, Manifest
-from swarm.ops.metrics import Metrics
 from swarm.runtime.pipeline import LocalPipeline
 
 
@@ -50,10 +49,11 @@ class StatePlan:
     state_bytes: int = 1 << 30
     holder_mbps: float = 80.0
     holders: tuple[int, ...] = (1, 2, 3)
+    emulated: bool | None = None  # holders and newcomer on emulated hosts (None: where netns works)
 
 
 def run(p: StatePlan) -> dict:
-    return {"pause": _pause(p), "restore": [asyncio.run(_restore(p, n)) for n in p.holders]}
+    return {"pause": _pause(p), "restore": [_restore(p, n) for n in p.holders]}
 
 
 def _pause(p: StatePlan) -> dict:
@@ -90,73 +90,129 @@ def _median(values: list[float]) -> float:
     return sorted(values)[len(values) // 2]
 
 
-@contextlib.asynccontextmanager
-async def _holder(
-    folder: Path, name: str, data: bytes, mbps: float
-) -> AsyncIterator[tuple[cpb.SnapshotHolder, Metrics]]:
-    """A holder of ``data`` serving it over gRPC at ``mbps``; its address and its metrics."""
-    store = SnapshotStore(folder / name)
-    await asyncio.to_thread(store.write, 1, 9, data)
-    service = StageService(Metrics("node"))
-    service.snapshots = SnapshotServer(store, service.metrics, mbps)
-    service.snapshots.access = name
-    server = grpc.aio.server()
-    stage_pb2_grpc.add_StageServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        yield cpb.SnapshotHolder(node_id=name, address=f"127.0.0.1:{port}", access=name), service.metrics
-    finally:
-        await server.stop(0)
-
-
-async def _restore(p: StatePlan, holders: int) -> dict:
+def _restore(p: StatePlan, holders: int) -> dict:
     data = os.urandom(p.state_bytes)
-    m = Manifest.of(1, 9, data, CHUNK_BYTES)
+    emulated = p.emulated if p.emulated is not None else netns.available()[0]
     with tempfile.TemporaryDirectory(prefix="swarm-state-") as tmp:
-        folder = Path(tmp)
-        async with contextlib.AsyncExitStack() as stack:
-            named, served = zip(
-                *[
-                    await stack.enter_async_context(_holder(folder, f"holder{i}", data, p.holder_mbps))
-                    for i in range(holders)
-                ],
-                strict=True,
-            )
-            ref = cpb.StageCheckpoint(
-                stage=1,
-                step=9,
-                digest=m.digest,
-                size=m.size,
-                chunk_bytes=m.chunk_bytes,
-                chunk_sha256=m.packed,
-            )
-            ref.holders.extend(named)
-            metrics = Metrics("node")
-
-            async def no_coordinator_copy(key: str, size: int) -> bytes:
-                raise RuntimeError("the bench's coordinator holds no snapshot bytes")
-
-            fetcher = SnapshotFetcher(
-                folder / "newcomer", lambda: "newcomer", metrics, print, no_coordinator_copy
-            )
-            start = time.perf_counter()
-            restored = await fetcher.fetch(ref)
-            seconds = time.perf_counter() - start
-            served_bytes = [int(m.snapshot_served_bytes._value.get()) for m in served]
-    if restored != data:
-        raise RuntimeError("the restored snapshot differs from the one held")
-    ideal = p.state_bytes * 8 / (holders * p.holder_mbps * 1e6)
+        run = _emulated if emulated else _loopback
+        seconds, coordinator_bytes, served = run(p, holders, data, Path(tmp))
+    # On emulated hosts the newcomer's downlink (as fast as each holder's uplink) is the limit;
+    # on loopback only the holders' paced uplinks are.
+    rate = p.holder_mbps * (1 if emulated else holders)
+    ideal = p.state_bytes * 8 / (rate * 1e6)
     return {
         "holders": holders,
+        "links": "emulated" if emulated else "loopback",
         "state_bytes": p.state_bytes,
         "holder_mbps": p.holder_mbps,
+        "newcomer_mbps": p.holder_mbps if emulated else None,
         "seconds": seconds,
         "ideal_seconds": ideal,
         "ratio_to_ideal": seconds / ideal,
-        "served_bytes": served_bytes,  # per holder
-        "coordinator_bytes": metrics.snapshot_fetched_bytes.labels(source="coordinator")._value.get(),
+        "served_bytes": served,  # per holder
+        "coordinator_bytes": coordinator_bytes,
     }
+
+
+def _loopback(p: StatePlan, holders: int, data: bytes, folder: Path) -> tuple[float, float, list[int]]:
+    """Holders as gRPC servers in this process, each paced at ``holder_mbps``."""
+
+    async def go() -> tuple[float, float, list[int]]:
+        async with contextlib.AsyncExitStack() as stack:
+            served = [
+                await stack.enter_async_context(state_hosts.holder(folder, f"holder{i}", data, p.holder_mbps))
+                for i in range(holders)
+            ]
+            named = [
+                cpb.SnapshotHolder(node_id=f"holder{i}", address=f"127.0.0.1:{port}", access=f"holder{i}")
+                for i, (port, _) in enumerate(served)
+            ]
+            restored, seconds, coordinator_bytes = await state_hosts.fetch(
+                state_hosts.checkpoint_ref(data, named), folder / "newcomer"
+            )
+            if restored != data:
+                raise RuntimeError("the restored snapshot differs from the one held")
+            return seconds, coordinator_bytes, [state_hosts.served_bytes(m) for _, m in served]
+
+    return asyncio.run(go())
+
+
+def _emulated(p: StatePlan, holders: int, data: bytes, folder: Path) -> tuple[float, float, list[int]]:
+    """Holders and the newcomer as processes on emulated hosts, every access link ``holder_mbps``
+    each way (network namespaces; the links pace, the servers do not)."""
+    (folder / "snapshot").write_bytes(data)
+    module = [sys.executable, "-m", "bench.state_hosts"]
+    with (
+        netns.EmulatedNetwork(holders + 1, p.holder_mbps, prefix="swsst") as net,
+        contextlib.ExitStack() as stack,
+    ):
+        procs = []
+        for i in range(holders):
+            args = [
+                "serve",
+                "--data",
+                str(folder / "snapshot"),
+                "--folder",
+                str(folder),
+                "--name",
+                f"holder{i}",
+            ]
+            proc = subprocess.Popen(
+                [*net.exec_prefix(i), *module, *args, "--bind", net.host_ip(i)],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            stack.callback(_stop, proc)
+            procs.append(proc)
+        named = [
+            cpb.SnapshotHolder(
+                node_id=f"holder{i}", address=f"{net.host_ip(i)}:{_ready_port(proc)}", access=f"holder{i}"
+            )
+            for i, proc in enumerate(procs)
+        ]
+        (folder / "ref").write_bytes(state_hosts.checkpoint_ref(data, named).SerializeToString())
+        fetch = [*net.exec_prefix(holders), *module, "fetch", "--ref", str(folder / "ref")]
+        done = subprocess.run(
+            [*fetch, "--folder", str(folder / "newcomer")],
+            capture_output=True,
+            text=True,
+            timeout=60 + 4 * p.state_bytes * 8 / (p.holder_mbps * 1e6),
+        )
+        if done.returncode:
+            raise RuntimeError(f"the newcomer's fetch failed: {done.stderr.strip()[-2000:]}")
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        if not result["verified"] or result["bytes"] != len(data):
+            raise RuntimeError("the restored snapshot differs from the one held")
+        served = [_stop(proc) for proc in procs]
+    return result["seconds"], result["coordinator_bytes"], served
+
+
+def _ready_port(proc: subprocess.Popen, timeout: float = 60.0) -> int:
+    """The port a ``state_hosts serve`` process announced (it exits or stays silent: RuntimeError)."""
+    line = _line(proc, timeout)
+    if not line.startswith("READY "):
+        raise RuntimeError(f"a snapshot holder did not start: {line!r}")
+    return int(line.split()[1])
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    """SIGTERM a holder; the bytes it says it served (0 if it had already gone)."""
+    if proc.poll() is not None:
+        return 0
+    proc.terminate()
+    line = _line(proc, 30.0)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(30)
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    return int(line.split()[1]) if line.startswith("SERVED ") else 0
+
+
+def _line(proc: subprocess.Popen, timeout: float) -> str:
+    """The next line ``proc`` prints within ``timeout`` seconds ("" if none)."""
+    ready, _, _ = select.select([proc.stdout], [], [], timeout)
+    return proc.stdout.readline().strip() if ready else ""
 
 
 def section(r: dict) -> list[str]:
@@ -173,20 +229,25 @@ def section(r: dict) -> list[str]:
         "copy of the stage's state in host memory per cut in flight, plus its serialisation while "
         "it is saved.",
         "",
-        "| holders | state | uplink per holder | restore (s) | ideal (s) | ratio | through the coordinator |",
-        "|---|---|---|---|---|---|---|",
+        "| holders | links | state | uplink per holder | newcomer's downlink | restore (s) | ideal (s) "
+        "| ratio | served per holder (MB) | through the coordinator |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in r["restore"]:
+        down = f"{row['newcomer_mbps']:g} Mbit/s" if row.get("newcomer_mbps") else "unlimited"
         lines.append(
-            f"| {row['holders']} | {row['state_bytes'] / 1e6:.0f} MB | {row['holder_mbps']:g} Mbit/s | "
-            f"{row['seconds']:.1f} | {row['ideal_seconds']:.1f} | {row['ratio_to_ideal']:.2f} | "
+            f"| {row['holders']} | {row.get('links', 'loopback')} | {row['state_bytes'] / 1e6:.0f} MB | "
+            f"{row['holder_mbps']:g} Mbit/s | {down} | {row['seconds']:.1f} | {row['ideal_seconds']:.1f} | "
+            f"{row['ratio_to_ideal']:.2f} | {', '.join(f'{b / 1e6:.0f}' for b in row['served_bytes'])} | "
             f"{row['coordinator_bytes']:.0f} bytes |"
         )
     lines += [
         "",
-        "Holders are gRPC servers on loopback paced at their uplink in the transport (no RTT, no "
-        "network namespaces); the newcomer's downlink is not limited, so the ideal is the holders' "
-        "summed uplink.",
+        "Emulated links: every host (holders, newcomer) in its own network namespace behind a "
+        "full-duplex access link at the holders' rate (a token bucket; the kernel here has no netem, "
+        "so no added RTT): the newcomer's downlink is the limit and the ideal is the state over it "
+        "(the goal: within 1.2x with 2+ holders). Loopback: holders paced at their uplink in the "
+        "transport, the newcomer's downlink unlimited, the ideal the holders' summed uplink.",
         "",
     ]
     return lines
