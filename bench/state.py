@@ -53,13 +53,42 @@ class StatePlan:
 
 
 def run(p: StatePlan) -> dict:
-    return {"pause": _pause(p), "restore": [_restore(p, n) for n in p.holders]}
+    return {"pause": _pause(p), "moments": _moments(p), "restore": [_restore(p, n) for n in p.holders]}
+
+
+def _config_and_sampler(p: StatePlan) -> tuple[RunConfig, BatchSampler]:
+    config = RunConfig(model=p.model, train=p.train, data=DataConfig(tokenizer="byte"), n_stages=p.n_stages)
+    t = config.train
+    return config, BatchSampler(load_dataset(config).train, t.batch_size, t.seq_len, t.seed)
+
+
+def _moments(p: StatePlan) -> dict:
+    """Snapshot bytes with Adam's moments exact and in 8 bits, and how a pipeline restored from each
+    continues: the losses of ``p.steps`` more steps against the uninterrupted run's."""
+    config, sampler = _config_and_sampler(p)
+    batches = [batch_ids(*sampler.next_batch()) for _ in range(2 * p.steps)]
+    original = LocalPipeline(config)
+    for step, ids in enumerate(batches[: p.steps]):
+        original.train_step(step, ids)
+    states = [checkpoint.capture(w, p.steps - 1) for w in original.workers]
+    later = list(enumerate(batches[p.steps :], start=p.steps))
+    reference = [original.train_step(step, ids).loss for step, ids in later]
+    rows = {}
+    for moments in ("exact", "int8"):
+        blobs = [checkpoint.to_bytes(s, moments) for s in states]
+        resumed = LocalPipeline(config)
+        for worker, blob in zip(resumed.workers, blobs, strict=True):
+            checkpoint.restore(worker, checkpoint.from_bytes(blob))
+        losses = [resumed.train_step(step, ids).loss for step, ids in later]
+        rows[moments] = {
+            "bytes": sum(map(len, blobs)),
+            "max_loss_deviation": max(abs(a / b - 1) for a, b in zip(losses, reference, strict=True)),
+        }
+    return {"steps_after": len(later), **rows}
 
 
 def _pause(p: StatePlan) -> dict:
-    config = RunConfig(model=p.model, train=p.train, data=DataConfig(tokenizer="byte"), n_stages=p.n_stages)
-    t = config.train
-    sampler = BatchSampler(load_dataset(config).train, t.batch_size, t.seq_len, t.seed)
+    config, sampler = _config_and_sampler(p)
     pipe = LocalPipeline(config)
     steps, pauses = [], []
     for step in range(p.steps):
@@ -84,6 +113,21 @@ def _pause(p: StatePlan) -> dict:
         "copy_seconds": big_s,
         "device": "cpu",
     }
+
+
+def _moments_lines(m: dict | None) -> list[str]:
+    if not m:
+        return []
+    exact, packed = m["exact"], m["int8"]
+    return [
+        f'Adam\'s moments in 8 bits for transfer (`checkpoint.moments = "int8"`): the snapshots of '
+        f"every stage take {packed['bytes'] / 1e6:.1f} MB against {exact['bytes'] / 1e6:.1f} MB exact "
+        f"({packed['bytes'] / exact['bytes']:.2f}x); over {m['steps_after']} steps after a restore the "
+        f"loss stays within {100 * packed['max_loss_deviation']:.3f}% of the uninterrupted run's "
+        f"(exact: {100 * exact['max_loss_deviation']:.3f}%, bit for bit). Weights are never compacted: "
+        "fp32 masters cannot be rebuilt from bf16 weights losslessly.",
+        "",
+    ]
 
 
 def _median(values: list[float]) -> float:
@@ -229,6 +273,7 @@ def section(r: dict) -> list[str]:
         "copy of the stage's state in host memory per cut in flight, plus its serialisation while "
         "it is saved.",
         "",
+        *_moments_lines(r.get("moments")),
         "| holders | links | state | uplink per holder | newcomer's downlink | restore (s) | ideal (s) "
         "| ratio | served per holder (MB) | through the coordinator |",
         "|---|---|---|---|---|---|---|---|---|---|",

@@ -39,8 +39,10 @@ class Checkpointer:
         client: CoordinatorClient,
         metrics: Metrics,
         chunk_bytes: int = CHUNK_BYTES,
+        moments: str = "exact",
     ):
         self.store, self.client, self.metrics, self.chunk_bytes = store, client, metrics, chunk_bytes
+        self.moments = moments  # checkpoint.moments: how Adam's moments are serialised
         self._queue: asyncio.Queue[tuple[int, list[dict], float, bool]] = asyncio.Queue(maxsize=1)
         self._task = asyncio.create_task(self._drain())
 
@@ -77,7 +79,7 @@ class Checkpointer:
 
     async def _save(self, epoch: int, state: dict, pause_s: float, upload: bool) -> None:
         stage, step = state["stage"], state["step"]
-        data = await asyncio.to_thread(checkpoint.to_bytes, state)
+        data = await asyncio.to_thread(checkpoint.to_bytes, state, self.moments)
         manifest = await asyncio.to_thread(Manifest.of, stage, step, data, self.chunk_bytes)
         saved = await asyncio.to_thread(self.store.write, stage, step, data, manifest.digest)
         where = "kept here"

@@ -164,7 +164,13 @@ class NodeDaemon:
         self.client.set_phase(cpb.NODE_PHASE_FETCHING)
         fixed, fetched = await self._embedding(reply.embedding_digest, reply.embedding_size)
         store = SnapshotStore(self.settings.data_dir / "snapshots", self.config.checkpoint.keep)
-        self.checkpointer = Checkpointer(store, self.client, self.metrics, self.settings.snapshot_chunk_bytes)
+        self.checkpointer = Checkpointer(
+            store,
+            self.client,
+            self.metrics,
+            self.settings.snapshot_chunk_bytes,
+            self.config.checkpoint.moments,
+        )
         self._serve_snapshots(store, reply.snapshot_access)
         # with replicas, an epoch may resume from the states the stages held after their last steps
         self.own_states = OwnStates() if self.config.train.replicas > 1 else None

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from swarm.codecs.base import PayloadError
-from swarm.io import checkpoint
+from swarm.io import checkpoint, compact
 from swarm.io.data import BatchSampler
 from swarm.runtime.pipeline import LocalPipeline
 from tests.helpers import random_batch, tiny_config
@@ -82,3 +82,55 @@ def test_store_writes_atomically_verifies_and_keeps_the_last_few(tmp_path):
     files[1].path.write_bytes(b"state 9 but corrupted")
     assert store.read(1, 9, files[1].digest) is None  # fails its checksum
     assert not files[1].path.exists()  # and is removed
+
+
+def test_8bit_moments_stay_within_a_step_of_their_grid_and_never_zero_a_second_moment():
+    torch.manual_seed(0)
+    first = torch.randn(3, 1000) * torch.logspace(-6, 0, 1000)  # blocks spanning six decades
+    second = first.square() * torch.rand(3, 1000)
+    m = compact.decode(compact.encode(first, root=False))
+    v = compact.decode(compact.encode(second, root=True))
+    assert m.shape == first.shape and v.dtype == second.dtype
+    blocks = compact._blocks(first).abs().amax(dim=1)  # each block's absmax: its grid is absmax / 127
+    error = compact._blocks(m - first).abs().amax(dim=1)
+    assert bool((error <= blocks / 254 + 1e-12).all())
+    # The square root is rounded up: v never falls below the truth, so no update is inflated.
+    assert bool((v >= second * (1 - 1e-5)).all()) and bool((v[second > 0] > 0).all())  # float rounding
+    root_error = compact._blocks(v.sqrt() - second.sqrt()).amax(dim=1)
+    assert bool((root_error <= compact._blocks(second.sqrt()).amax(dim=1) / 255 + 1e-6).all())
+
+
+def test_a_snapshot_with_8bit_moments_is_half_the_bytes_and_continues_close_to_the_exact_one():
+    config = tiny_config("subspace", rank=8, forward_format="fp32", backward_format="fp32", warmup_steps=2)
+    first = LocalPipeline(config)
+    for step, ids in enumerate(batches(config, 6)):
+        first.train_step(step, ids)
+    states = [checkpoint.capture(w, 5) for w in first.workers]
+    exact = [checkpoint.to_bytes(s) for s in states]
+    packed = [checkpoint.to_bytes(s, moments="int8") for s in states]
+    assert sum(map(len, packed)) < 0.6 * sum(map(len, exact))
+    later = batches(config, 4, start=6)
+    expected = [first.train_step(6 + i, ids).loss for i, ids in enumerate(later)]
+    resumed = LocalPipeline(config)
+    for worker, data, state in zip(resumed.workers, packed, states, strict=True):
+        restored = checkpoint.from_bytes(data)
+        assert "moments" not in restored
+        assert all(torch.equal(a, restored["model"][k]) for k, a in state["model"].items())  # weights exact
+        checkpoint.restore(worker, restored)
+    got = [resumed.train_step(6 + i, ids).loss for i, ids in enumerate(later)]
+    assert got[0] == expected[0]  # the first step's loss comes from the (exact) weights
+    assert got != expected and got == pytest.approx(expected, rel=1e-3)
+
+
+def test_malformed_8bit_moments_are_refused():
+    config = tiny_config()
+    pipe = LocalPipeline(config)
+    pipe.train_step(0, random_batch(config, 0))  # Adam's moments exist after a step
+    state = compact.compact_moments(checkpoint.capture(pipe.workers[1], 0))
+    for opt in state["optimizers"]:
+        for param_state in opt["state"].values():
+            for value in param_state.values():
+                if isinstance(value, dict):
+                    value["shape"] = "not a shape"
+    with pytest.raises(PayloadError, match="malformed 8-bit moments"):
+        checkpoint.from_bytes(checkpoint.to_bytes(state))

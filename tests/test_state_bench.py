@@ -31,6 +31,9 @@ def test_the_state_section_restores_from_holders_and_measures_the_pause(links):
     assert min(two["served_bytes"]) >= 4 << 20  # both holders serve it side by side
     # Neither the pacing nor the emulated links let the bytes through faster than their rate.
     assert one["ratio_to_ideal"] >= 0.9 and two["ratio_to_ideal"] >= 0.9
+    moments = r["moments"]  # 8-bit moments: about half the bytes, close to (not exactly) the original run
+    assert moments["int8"]["bytes"] < 0.6 * moments["exact"]["bytes"]
+    assert moments["exact"]["max_loss_deviation"] == 0 < moments["int8"]["max_loss_deviation"] < 1e-2
     pause = r["pause"]
     assert 0 < pause["pause_seconds_per_stage"] < pause["step_seconds"] and pause["copy_seconds"] > 0
     text = "\n".join(state.section(r))

@@ -204,10 +204,15 @@ class CheckpointConfig:
 
     interval: int = 25
     keep: int = 3
+    # "exact": snapshots restore bit for bit; "int8": Adam's moments travel in 8 bits (about half
+    # the bytes; a restored stage then continues close to, not exactly as, the original).
+    moments: str = "exact"
 
     def __post_init__(self) -> None:
         if self.interval < 0 or self.keep < 1:
             raise ValueError(f"checkpoint interval {self.interval} must be >= 0 and keep {self.keep} >= 1")
+        if self.moments not in ("exact", "int8"):
+            raise ValueError(f"checkpoint.moments={self.moments!r} must be 'exact' or 'int8'")
 
     def is_cut(self, step: int, steps: int) -> bool:
         """Whether every stage snapshots after ``step`` (of a run of ``steps`` steps)."""

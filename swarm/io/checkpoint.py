@@ -34,6 +34,7 @@ from swarm.codecs.rvq import ResidualVQ
 from swarm.core.config import config_hash
 from swarm.core.subspace import resize_rank
 from swarm.io.artifacts import digest
+from swarm.io.compact import compact_moments, expand_moments
 from swarm.io.data import BatchSampler
 from swarm.io.prepared import CorpusSampler
 from swarm.runtime.outer_step import OuterStep
@@ -107,9 +108,10 @@ def capture(worker: StageWorker, step: int, sampler: Sampler | None = None) -> d
     return state
 
 
-def to_bytes(state: dict[str, Any]) -> bytes:
+def to_bytes(state: dict[str, Any], moments: str = "exact") -> bytes:
+    """Serialise a capture; ``moments="int8"`` packs Adam's moments in 8 bits (:mod:`swarm.io.compact`)."""
     buffer = io.BytesIO()
-    torch.save(state, buffer)
+    torch.save(compact_moments(state) if moments == "int8" else state, buffer)
     return buffer.getvalue()
 
 
@@ -121,7 +123,10 @@ def from_bytes(data: bytes, device: torch.device | str = "cpu") -> dict[str, Any
         raise PayloadError(f"unreadable stage snapshot: {e}") from None
     if not isinstance(state, dict) or state.get("format") != SNAPSHOT_FORMAT:
         raise PayloadError("not a stage snapshot of a known format")
-    return state
+    try:
+        return expand_moments(state)
+    except (KeyError, TypeError, ValueError, AttributeError, RuntimeError) as e:
+        raise PayloadError(f"malformed 8-bit moments in a stage snapshot: {e}") from None
 
 
 def restore(worker: StageWorker, state: dict[str, Any], sampler: Sampler | None = None) -> int:
