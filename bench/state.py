@@ -49,11 +49,33 @@ class StatePlan:
     state_bytes: int = 1 << 30
     holder_mbps: float = 80.0
     holders: tuple[int, ...] = (1, 2, 3)
+    keepers: int = 1  # each cut's copies beside the host (swarm-coordinator --snapshot-keepers)
     emulated: bool | None = None  # holders and newcomer on emulated hosts (None: where netns works)
 
 
 def run(p: StatePlan) -> dict:
-    return {"pause": _pause(p), "moments": _moments(p), "restore": [_restore(p, n) for n in p.holders]}
+    restore = [_restore(p, n) for n in p.holders]
+    return {
+        "pause": _pause(p),
+        "moments": _moments(p),
+        "restore": restore,
+        "cut_interval": _cut_interval(p, restore[0]),
+    }
+
+
+def _cut_interval(p: StatePlan, row: dict) -> list[dict]:
+    """The shortest cut interval a host sustains when ``p.keepers`` keepers fetch every cut of its
+    stage through a cap at a share of its uplink, at the goodput ``row`` (a measured restore) got."""
+    goodput = row["state_bytes"] * 8 / row["seconds"] / 1e6  # Mbit/s of snapshot payload
+    return [
+        {
+            "share": share,
+            "cap_mbps": share * row["holder_mbps"],
+            "keepers": p.keepers,
+            "seconds": p.keepers * row["state_bytes"] * 8 / (share * goodput * 1e6),
+        }
+        for share in (0.1, 0.25, 0.5, 1.0)
+    ]
 
 
 def _config_and_sampler(p: StatePlan) -> tuple[RunConfig, BatchSampler]:
@@ -126,6 +148,22 @@ def _moments_lines(m: dict | None) -> list[str]:
         f"loss stays within {100 * packed['max_loss_deviation']:.3f}% of the uninterrupted run's "
         f"(exact: {100 * exact['max_loss_deviation']:.3f}%, bit for bit). Weights are never compacted: "
         "fp32 masters cannot be rebuilt from bf16 weights losslessly.",
+        "",
+    ]
+
+
+def _interval_lines(rows: list[dict] | None, measured: dict) -> list[str]:
+    if not rows:
+        return []
+    return [
+        f"Cut interval a host sustains: every cut of its {measured['state_bytes'] / 1e6:.0f} MB stage goes "
+        f"to {rows[0]['keepers']} keeper(s) through a cap at a share of its {measured['holder_mbps']:g} "
+        f"Mbit/s uplink, at the goodput of the 1-holder restore above ({measured['links']}); a shorter "
+        "interval skips cuts (the newest replaces a waiting one).",
+        "",
+        "| cap (share of uplink) | cap | shortest cut interval |",
+        "|---|---|---|",
+        *(f"| {100 * x['share']:.0f}% | {x['cap_mbps']:g} Mbit/s | {x['seconds']:.0f} s |" for x in rows),
         "",
     ]
 
@@ -294,5 +332,6 @@ def section(r: dict) -> list[str]:
         "(the goal: within 1.2x with 2+ holders). Loopback: holders paced at their uplink in the "
         "transport, the newcomer's downlink unlimited, the ideal the holders' summed uplink.",
         "",
+        *_interval_lines(r.get("cut_interval"), r["restore"][0]),
     ]
     return lines

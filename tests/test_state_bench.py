@@ -31,6 +31,12 @@ def test_the_state_section_restores_from_holders_and_measures_the_pause(links):
     assert min(two["served_bytes"]) >= 4 << 20  # both holders serve it side by side
     # Neither the pacing nor the emulated links let the bytes through faster than their rate.
     assert one["ratio_to_ideal"] >= 0.9 and two["ratio_to_ideal"] >= 0.9
+    # A cut a keeper fetches through the whole uplink takes as long as the 1-holder restore; a quarter
+    # of it, four times that.
+    interval = {row["share"]: row["seconds"] for row in r["cut_interval"]}
+    assert interval[1.0] == pytest.approx(one["seconds"]) and interval[0.25] == pytest.approx(
+        4 * one["seconds"]
+    )
     moments = r["moments"]  # 8-bit moments: about half the bytes, close to (not exactly) the original run
     assert moments["int8"]["bytes"] < 0.6 * moments["exact"]["bytes"]
     assert moments["exact"]["max_loss_deviation"] == 0 < moments["int8"]["max_loss_deviation"] < 1e-2
