@@ -270,7 +270,8 @@ def run(
 
 def table(runs: list[dict], steps: int, base_seed: int = 0) -> list[dict]:
     """Per width and parametrisation, each method at its best lr (chosen on the base seed's runs):
-    loss at equal steps (the mean over the seeds run at that lr), gap to dense, each seed's gap, and
+    loss at equal steps (the mean over the seeds run at that lr), gap to dense over the seeds both
+    ran (their summed losses), each seed's gap, and
     the steps the base seed's run needs to reach dense's final loss. Dense is the best dense run at
     that width under either parametrisation (each side at its own best hyperparameters)."""
     best: dict[tuple, dict] = {}
@@ -307,9 +308,13 @@ def table(runs: list[dict], steps: int, base_seed: int = 0) -> list[dict]:
             "compression": r["compression"],
         }
         if dense is not None and r["curve"]:
-            row["gap"] = mean(r) / mean(dense) - 1
-            both = sorted(set(seeds(r)) & set(seeds(dense)))
+            both = sorted(set(seeds(r)) & set(seeds(dense)))  # the gap compares the same seeds
             row["seed_gaps"] = [seeds(r)[s] / seeds(dense)[s] - 1 for s in both]
+            row["gap"] = (
+                sum(seeds(r)[s] for s in both) / sum(seeds(dense)[s] for s in both) - 1
+                if both
+                else mean(r) / mean(dense) - 1
+            )
             reached = steps_to(r["curve"], dense["final"])
             row["steps_to_dense"] = reached / steps if reached is not None else None
             row["loss_at_half"] = loss_at(r["curve"], steps // 2)
