@@ -9,7 +9,8 @@ from bench import netns, state
 from swarm.core.config import MODEL_PRESETS, TrainConfig
 
 
-@pytest.mark.parametrize("links", ["loopback", "emulated"])
+# The loopback path (where netns is unavailable) is in the slow suite; the quick bench runs whichever works.
+@pytest.mark.parametrize("links", [pytest.param("loopback", marks=pytest.mark.slow), "emulated"])
 def test_the_state_section_restores_from_holders_and_measures_the_pause(links):
     if links == "emulated" and not netns.available()[0]:
         pytest.skip(f"no network namespaces: {netns.available()[1]}")
