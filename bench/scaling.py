@@ -277,13 +277,13 @@ def table(runs: list[dict], steps: int, base_seed: int = 0) -> list[dict]:
     best: dict[tuple, dict] = {}
     for r in runs:
         key = (r["d"], r["parametrisation"], r["method"])
-        if r.get("seed", base_seed) == base_seed and (key not in best or r["final"] < best[key]["final"]):
+        if r["seed"] == base_seed and (key not in best or r["final"] < best[key]["final"]):
             best[key] = r
     by_seed: dict[tuple, dict[int, float]] = {}
     for r in runs:
         if math.isfinite(r["final"]):
             point = (r["d"], r["parametrisation"], r["method"], r["lr"])
-            by_seed.setdefault(point, {})[r.get("seed", base_seed)] = r["final"]
+            by_seed.setdefault(point, {})[r["seed"]] = r["final"]
 
     def seeds(r: dict) -> dict[int, float]:
         return by_seed.get((r["d"], r["parametrisation"], r["method"], r["lr"]), {})

@@ -33,7 +33,6 @@ from pathlib import Path
 import torch
 
 from bench import netns, state_hosts
-from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
 from swarm.core.config import DataConfig, ModelConfig, RunConfig, TrainConfig
 from swarm.io import checkpoint
 from swarm.io.data import BatchSampler, batch_ids, load_dataset
@@ -205,10 +204,7 @@ def _loopback(p: StatePlan, holders: int, data: bytes, folder: Path) -> tuple[fl
                 await stack.enter_async_context(state_hosts.holder(folder, f"holder{i}", data, p.holder_mbps))
                 for i in range(holders)
             ]
-            named = [
-                cpb.SnapshotHolder(node_id=f"holder{i}", address=f"127.0.0.1:{port}", access=f"holder{i}")
-                for i, (port, _) in enumerate(served)
-            ]
+            named = [state_hosts.holder_record(i, f"127.0.0.1:{port}") for i, (port, _) in enumerate(served)]
             restored, seconds, coordinator_bytes = await state_hosts.fetch(
                 state_hosts.checkpoint_ref(data, named), folder / "newcomer"
             )
@@ -247,9 +243,7 @@ def _emulated(p: StatePlan, holders: int, data: bytes, folder: Path) -> tuple[fl
             stack.callback(_stop, proc)
             procs.append(proc)
         named = [
-            cpb.SnapshotHolder(
-                node_id=f"holder{i}", address=f"{net.host_ip(i)}:{_ready_port(proc)}", access=f"holder{i}"
-            )
+            state_hosts.holder_record(i, f"{net.host_ip(i)}:{_ready_port(proc)}")
             for i, proc in enumerate(procs)
         ]
         (folder / "ref").write_bytes(state_hosts.checkpoint_ref(data, named).SerializeToString())

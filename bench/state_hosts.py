@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import signal
 import time
@@ -40,6 +41,11 @@ def checkpoint_ref(data: bytes, holders: list[cpb.SnapshotHolder]) -> cpb.StageC
     )
     ref.holders.extend(holders)
     return ref
+
+
+def holder_record(i: int, address: str) -> cpb.SnapshotHolder:
+    """What the coordinator tells a fetcher of holder ``i`` (its name is its access secret here)."""
+    return cpb.SnapshotHolder(node_id=f"holder{i}", address=address, access=f"holder{i}")
 
 
 @contextlib.asynccontextmanager
@@ -94,7 +100,7 @@ async def _serve(args: argparse.Namespace) -> None:
 async def _fetch(args: argparse.Namespace) -> None:
     ref = cpb.StageCheckpoint.FromString(Path(args.ref).read_bytes())
     restored, seconds, coordinator_bytes = await fetch(ref, Path(args.folder))
-    ok = Manifest.of(STAGE, STEP, restored, ref.chunk_bytes).digest == ref.digest
+    ok = hashlib.sha256(restored).hexdigest() == ref.digest  # the bench's own check of the whole
     print(
         json.dumps(
             {

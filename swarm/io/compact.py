@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 BLOCK = 256
-MOMENTS = ("exact", "int8")
 _SIGNED, _ROOT = "exp_avg", "exp_avg_sq"  # Adam's first and second moments
 
 
