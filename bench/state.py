@@ -157,8 +157,8 @@ def _interval_lines(rows: list[dict] | None, measured: dict) -> list[str]:
     return [
         f"Cut interval a host sustains: every cut of its {measured['state_bytes'] / 1e6:.0f} MB stage goes "
         f"to {rows[0]['keepers']} keeper(s) through a cap at a share of its {measured['holder_mbps']:g} "
-        f"Mbit/s uplink, at the goodput of the {measured['holders']}-holder restore above ({measured['links']}); a shorter "
-        "interval skips cuts (the newest replaces a waiting one).",
+        f"Mbit/s uplink, at the goodput of the {measured['holders']}-holder restore above "
+        f"({measured['links']}); a shorter interval skips cuts (the newest replaces a waiting one).",
         "",
         "| cap (share of uplink) | cap | shortest cut interval |",
         "|---|---|---|",
