@@ -264,8 +264,10 @@ def _churn_table(rows: list[dict]) -> list[str]:
             [
                 ("replicas", "replicas", ""),
                 ("churn", "churn", ""),
+                ("lost stage", "lost_stage", ""),
                 ("tokens/s", "tokens_per_s", ".0f"),
                 ("retained", "retained", ".0%"),
+                ("final loss vs undisturbed", "loss_vs_undisturbed", "+.1%"),
                 ("kills", "kills", ""),
                 ("epochs restarted", "epochs_restarted", ""),
                 ("mean recovery s", "mean_recovery_s", ".1f"),
@@ -289,7 +291,10 @@ def _churn_section(r: dict) -> list[str]:
         "every stage has that many hosts averaging every step (the extra standbys that become them "
         "join first). Tokens/s over the whole run (wall clock, so recoveries count), retained against "
         "the undisturbed run with as many replicas; recovery: kill to the first redone step "
-        "completing again.",
+        "completing again. Lost stage: each kill takes a middle stage's host and every standby (its "
+        "snapshots' keepers), so no copy of that stage is left; `rollback` resumes every stage from "
+        "an older cut that has all of them (here: step 0), `rebuild` rebuilds the lost stage from its "
+        "neighbours (CheckFree) at the newest cut.",
         "",
         *_churn_table(r["churn"]),
     ]

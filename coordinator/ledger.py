@@ -3,9 +3,11 @@
 A new epoch resumes from the latest complete cut whose snapshots all verify (on the coordinator's
 disk) or have an alive holder (:class:`~swarm.coordinator.keepers.Keepers`); snapshot records
 past that cut are dropped (those steps will be redone), so every cut the ledger holds comes from
-one history. Only the newest ``checkpoint.keep`` complete cuts are kept (and the current epoch's,
-which a late joiner restores from). Epochs, resume steps and snapshot records are written through
-to the state file.
+one history. With ``checkpoint.lost_stage = "rebuild"`` a cut that lost only middle stages, none
+next to another, still counts: those stages are rebuilt from their neighbours' snapshots (CheckFree)
+instead of every stage rolling back. Only the newest ``checkpoint.keep`` complete cuts are kept (and
+the current epoch's, which a late joiner restores from). Epochs, resume steps and snapshot records
+are written through to the state file.
 """
 
 from __future__ import annotations
@@ -52,6 +54,9 @@ class Ledger:
         self.news = Bulletin()  # held heartbeats wait on it: epochs, cut requests, the run's end
         self.from_own_states = False  # whether this epoch resumed from its hosts' own states
         self._cut_shown = -1  # the complete cut the checkpoint metrics describe
+        # The cut this epoch resumed from with stages rebuilt from their neighbours, and those stages
+        # (their snapshots were lost); kept until a newer cut, for a later epoch resuming from it too.
+        self.rebuild_cut, self.rebuilt = -1, frozenset[int]()
 
     def deal(self, owners: Owners, rates: Sequence[Sequence[float]]) -> None:
         """Deal each stage's microbatches among its hosts by their rates, for this epoch."""
@@ -101,9 +106,16 @@ class Ledger:
         step that is no cut: the hosts then resume from their own states)."""
         if self.resume_step <= 0:
             return []
-        keys = [(self.resume_step - 1, s) for s in stages]
+        wanted = set(stages) | {n for s in self.rebuilding(stages) for n in (s - 1, s + 1)}
+        keys = [(self.resume_step - 1, s) for s in sorted(wanted)]
         records = [self.checkpoints[key] for key in keys if key in self.checkpoints]
         return [self.keepers.describe(r, self.store.complete(r.digest)) for r in records]
+
+    def rebuilding(self, stages: Sequence[int]) -> list[int]:
+        """Which of ``stages`` this epoch rebuilds from their neighbours' snapshots (:meth:`restore`)."""
+        if self.rebuild_cut < 0 or self.rebuild_cut != self.resume_step - 1:
+            return []
+        return sorted(set(stages) & self.rebuilt)
 
     def record(self, ref: coordinator_pb2.StageCheckpoint) -> CheckpointRecord | None:
         """The record ``ref`` names (same stage, step and digest), if the ledger holds it."""
@@ -149,17 +161,49 @@ class Ledger:
 
     def _latest_verified_cut(self) -> int:
         """The newest complete cut whose snapshots all have an alive holder or pass their hash check
-        on the coordinator's disk (-1: none).
+        on the coordinator's disk, or (``lost_stage = "rebuild"``) whose lost stages can be rebuilt
+        (-1: none).
 
-        A snapshot that has neither is dropped with its record, so its cut is never offered again.
+        A snapshot that has neither is dropped with its record, so its cut is never offered again
+        (unless its stage is rebuilt at it).
         """
-        for step in self._complete_cuts():
-            records = [self.checkpoints[(step, s)] for s in range(self.config.n_stages)]
+        cuts = set(self._complete_cuts()) | ({self.rebuild_cut} if self.rebuild_cut >= 0 else set())
+        for step in sorted(cuts, reverse=True):
+            n = self.config.n_stages
+            records = [self.checkpoints[(step, s)] for s in range(n) if (step, s) in self.checkpoints]
             bad = [r for r in records if not self._available(r)]
-            if not bad:
-                return step
+            lost = {s for s in range(n) if (step, s) not in self.checkpoints} | {r.stage for r in bad}
             self._forget(bad)
+            if not lost:
+                return step
+            if self._rebuildable(lost):
+                if (step, lost) != (self.rebuild_cut, self.rebuilt):
+                    self.rebuild_cut, self.rebuilt = step, frozenset(lost)
+                    self.metrics.stage_rebuilds.inc(len(lost))
+                    log.warning(
+                        "no copy of stage(s) %s after step %d is left: rebuilding from their neighbours",
+                        sorted(lost),
+                        step,
+                    )
+                return step
         return -1
+
+    def _rebuildable(self, lost: set[int]) -> bool:
+        """Whether CheckFree can rebuild every stage in ``lost``: middle stages, neither neighbour lost."""
+        last = self.config.n_stages - 1
+        return self.config.checkpoint.lost_stage == "rebuild" and all(
+            0 < s < last and s - 1 not in lost and s + 1 not in lost for s in lost
+        )
+
+    def rebuilt_lines(self) -> list[str]:
+        """The stages this run rebuilt from their neighbours, for Status (empty: none)."""
+        if self.rebuild_cut < 0:
+            return []
+        return [
+            f"stage {s} rebuilt from stages {s - 1} and {s + 1} after step {self.rebuild_cut} "
+            "(no copy of its snapshot was left; fresh optimizer)"
+            for s in sorted(self.rebuilt)
+        ]
 
     def _available(self, r: CheckpointRecord) -> bool:
         if self.keepers.alive_holders(r.digest):

@@ -212,6 +212,7 @@ class Planner:
             links=self._links(node.id),
             resume_step=self.ledger.resume_step,
             restore=self.ledger.restore(node.stages),
+            rebuild=self.ledger.rebuilding(node.stages),
             replicas=self._replicas(),
             upload_snapshots=self.ledger.keepers.uploads(node),
         )

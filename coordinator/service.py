@@ -196,6 +196,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         reply.relayed_links.extend(self.planner.relayed_links())
         reply.snapshot_holding = self.keepers.holding()
         reply.bad_holders.extend(self.keepers.bad)
+        reply.rebuilt_stages.extend(self.ledger.rebuilt_lines())
         return reply
 
     # -- membership ---------------------------------------------------------------------------

@@ -102,13 +102,15 @@ class StageHost:
 
     async def build(self) -> None:
         """Build the stages (off the event loop) and restore them at the epoch's resume step: from this
-        node's own state of the step before when it kept one, else from the cut's snapshot."""
+        node's own state of the step before when it kept one, else from the cut's snapshot; a stage the
+        plan rebuilds, from its neighbours' (:func:`swarm.io.checkpoint.rebuild`)."""
         resume = self.plan.resume_step
         own: dict[int, dict] = {}
         if self.own is not None:
             self.own.forget_from(resume)
             kept = {s: self.own.take(s, resume - 1, self.device) for s in self.plan.stages if resume > 0}
             own = {s: state for s, state in kept.items() if state is not None}
+        rebuilt = set(self.plan.rebuild) - set(own)
         snapshots = {}
         for ref in self.plan.restore:
             if ref.stage in own:
@@ -120,7 +122,9 @@ class StageHost:
                 await asyncio.to_thread(self.checkpointer.store.write, ref.stage, ref.step, data)
                 self.client.report("ReportCheckpoint", held_report(self.node_id, ref))  # a holder now
             snapshots[ref.stage] = data
-        missing = [s for s in self.plan.stages if resume > 0 and s not in own and s not in snapshots]
+        have = {*own, *snapshots}
+        missing = [s for s in self.plan.stages if resume > 0 and s not in have and s not in rebuilt]
+        missing += [n for s in rebuilt for n in (s - 1, s + 1) if n not in have]
         if missing:
             raise RuntimeError(
                 f"no state of stage(s) {missing} after step {resume - 1}: this node kept none and the "
@@ -129,16 +133,16 @@ class StageHost:
         for s in own:
             say(f"stage {s}: resumed from this node's own state after step {resume - 1}")
         self.client.set_phase(cpb.NODE_PHASE_LOADING)
-        await asyncio.to_thread(self._build, snapshots, own)
-        if self.own is not None:  # what came from a snapshot is this node's own state now
-            for state in self._capture(resume - 1, list(snapshots)):
+        await asyncio.to_thread(self._build, snapshots, own, rebuilt)
+        if self.own is not None:  # what came from a snapshot (or was rebuilt) is this node's own state now
+            for state in self._capture(resume - 1, [*snapshots, *rebuilt]):
                 self.own.put(state)
         for s, runner in self.runners.items():
             nxt = self.runners.get(s + 1)
             if nxt is not None:
                 connect_local(runner, nxt, self.node_id)
 
-    def _build(self, snapshots: dict[int, bytes], own: dict[int, dict]) -> None:
+    def _build(self, snapshots: dict[int, bytes], own: dict[int, dict], rebuilt: set[int]) -> None:
         basis = initial_basis(self.config)
         t = self.config.train
         owners = microbatch_owners(self.plan)
@@ -153,7 +157,17 @@ class StageHost:
             state = own.get(s)
             if state is None and s in snapshots:
                 state = checkpoint.from_bytes(snapshots[s], self.device)
-            if state is not None:
+            if s in rebuilt:
+                sources = [own.get(n) for n in (s - 1, s + 1)]
+                sources = [
+                    src if src is not None else checkpoint.from_bytes(snapshots[n], self.device)
+                    for n, src in zip((s - 1, s + 1), sources, strict=True)
+                ]
+                step = checkpoint.rebuild(worker, sources)
+                if step != self.plan.resume_step - 1:
+                    raise RuntimeError(f"stage {s} rebuilt from step {step}, the plan resumes after it")
+                say(f"stage {s}: rebuilt from stages {s - 1} and {s + 1} after step {step} (no copy left)")
+            elif state is not None:
                 step = checkpoint.restore(worker, state, sampler)
                 if step != self.plan.resume_step - 1:
                     raise RuntimeError(f"snapshot of stage {s} is of step {step}, the plan resumes after it")

@@ -117,6 +117,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_up(args: argparse.Namespace) -> int:
+    from swarm.launch.chaos import ChaosMonkey
     from swarm.launch.local_swarm import up
 
     config = run_config_from_args(args)
@@ -136,8 +137,7 @@ def cmd_up(args: argparse.Namespace) -> int:
             use_dht=not args.no_dht,
             dead_after=args.dead_after,
             standbys=args.standbys,
-            chaos_s=args.chaos,
-            chaos_seed=args.seed or 0,
+            chaos=ChaosMonkey(args.chaos, args.seed or 0) if args.chaos > 0 else None,
             metrics_base_port=args.metrics_base_port,
             tls=args.tls,
             dial_only=args.dial_only,

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from swarm._proto.swarm.v1 import coordinator_pb2
-from swarm.core.config import CodecConfig, RotationConfig, RunConfig
+from swarm.core.config import CheckpointConfig, CodecConfig, RotationConfig, RunConfig
 from swarm.io.data import BatchSampler, batch_ids, load_dataset
 from swarm.launch.chaos import ChaosMonkey, Kill
 from swarm.runtime.pipeline import LocalPipeline
@@ -379,3 +379,34 @@ def test_a_mapl_rvq_run_resumes_exactly_after_a_kill(tmp_path):
         assert (final.epochs_restarted > 0) == kill
         losses.append([s.loss for s in final.steps])
     assert losses[0] == losses[1]
+
+
+def test_a_middle_stage_with_no_copy_left_is_rebuilt_from_its_neighbours(tmp_path, reference):
+    """checkpoint.lost_stage = "rebuild": stage 1's host and its only keeper (the standby) die together;
+    a fresh node rebuilds stage 1 from stages 0 and 2 at the newest cut instead of the run restarting
+    from step 0 (no older cut has stage 1 either)."""
+    config = churn_config(tmp_path)
+    config.checkpoint = CheckpointConfig(interval=INTERVAL, lost_stage="rebuild")
+    with processes() as procs:
+        address = coordinator(procs, tmp_path, config, "--dead-after", DEAD_AFTER)
+        n0, n1, n2, standby = start_nodes(procs, tmp_path, address, 4)
+        cut = wait_status(address, past_a_cut(2 * INTERVAL), "two checkpoint cuts and 3 steps past", 120)
+        n1.p.kill()
+        standby.p.kill()  # the keeper of every snapshot: nobody holds stage 1 any more
+        wait_status(
+            address, lambda r: not r.nodes[1].alive and not r.nodes[3].alive, "both declared dead", 30
+        )
+        fresh = node(procs, tmp_path, "fresh", address, *LINK)
+        final = run_complete(address)
+        for proc in (n0, n2, fresh):
+            assert proc.wait(60) == 0, proc.output()
+    (rebuilt_after,) = {
+        int(m) for m in re.findall(r"stage 1: rebuilt from stages 0 and 2 after step (\d+)", fresh.stdout())
+    }
+    assert rebuilt_after >= cut.latest_cut - 1 and (rebuilt_after + 1) % INTERVAL == 0
+    assert final.rebuilt_stages and "stage 1 rebuilt" in final.rebuilt_stages[0]
+    losses = [s.loss for s in final.steps]
+    assert [s.step for s in final.steps] == list(range(STEPS))
+    assert losses[: rebuilt_after + 1] == reference[: rebuilt_after + 1]  # nothing before the cut redone
+    assert losses[rebuilt_after + 1] != reference[rebuilt_after + 1]  # a rebuilt stage is not the lost one
+    print(f"MEASURED rebuild after step {rebuilt_after}: final loss {losses[-1]:.4f} ({reference[-1]:.4f})")

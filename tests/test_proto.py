@@ -141,6 +141,7 @@ def test_plan_schema() -> None:
         "restore": 5,
         "replicas": 6,
         "upload_snapshots": 7,
+        "rebuild": 8,
     }
     assert fields(coordinator_pb2.StageReplica) == {"node_id": 1, "microbatches": 2, "averaging_address": 3}
     join = fields(coordinator_pb2.JoinReply)

@@ -200,6 +200,11 @@ class CheckpointConfig:
     from the latest cut every stage has uploaded. ``keep`` cuts are kept (on nodes and on
     the coordinator). ``interval = 0`` turns snapshots off: a lost node then restarts the
     run from step 0.
+
+    ``lost_stage`` says what happens when no copy of a middle stage's snapshot is left at the
+    newest cut: ``"rollback"`` (exact) resumes every stage from an older cut that has all of
+    them, or step 0; ``"rebuild"`` (CheckFree, arXiv 2506.15461) resumes from the newest cut
+    anyway, the lost stage's layers the mean of its two neighbours' and its optimizer fresh.
     """
 
     interval: int = 25
@@ -207,12 +212,15 @@ class CheckpointConfig:
     # "exact": snapshots restore bit for bit; "int8": Adam's moments travel in 8 bits (about half
     # the bytes; a restored stage then continues close to, not exactly as, the original).
     moments: str = "exact"
+    lost_stage: str = "rollback"
 
     def __post_init__(self) -> None:
         if self.interval < 0 or self.keep < 1:
             raise ValueError(f"checkpoint interval {self.interval} must be >= 0 and keep {self.keep} >= 1")
         if self.moments not in ("exact", "int8"):
             raise ValueError(f"checkpoint.moments={self.moments!r} must be 'exact' or 'int8'")
+        if self.lost_stage not in ("rollback", "rebuild"):
+            raise ValueError(f"checkpoint.lost_stage={self.lost_stage!r} must be 'rollback' or 'rebuild'")
 
     def is_cut(self, step: int, steps: int) -> bool:
         """Whether every stage snapshots after ``step`` (of a run of ``steps`` steps)."""
@@ -367,6 +375,7 @@ class RunConfig:
                 f"train.seq_len={self.train.seq_len} exceeds model.max_seq_len={self.model.max_seq_len}"
             )
         self._check_replicas()
+        self._check_rebuild()
         self._check_growth()
         self._place_bottlenecks()
         last_start, _ = stage_layer_ranges(self.model.n_layers, self.n_stages)[-1]
@@ -400,6 +409,17 @@ class RunConfig:
         if self.codec.kind != "identity":
             raise ValueError(
                 f"a bottleneck model sends its k numbers through codec 'identity', not {self.codec.kind!r}"
+            )
+
+    def _check_rebuild(self) -> None:
+        if self.checkpoint.lost_stage != "rebuild":
+            return
+        c = self.codec
+        if c.kind == "mapl" or "rvq" in (c.forward_format, c.backward_format) or self.model.bottleneck_rank:
+            # A rebuilt stage takes its neighbours' layers; a boundary's learned maps have no such source.
+            raise ValueError(
+                "checkpoint.lost_stage 'rebuild' needs boundaries without learned state: no MAPL, "
+                "RVQ or bottleneck maps"
             )
 
     def _check_replicas(self) -> None:

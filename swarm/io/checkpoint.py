@@ -31,7 +31,7 @@ import torch
 
 from swarm.codecs.base import PayloadError
 from swarm.codecs.rvq import ResidualVQ
-from swarm.core.config import config_hash
+from swarm.core.config import config_hash, stage_layer_ranges
 from swarm.core.subspace import resize_rank
 from swarm.io.artifacts import digest
 from swarm.io.compact import compact_moments, expand_moments
@@ -136,11 +136,7 @@ def restore(worker: StageWorker, state: dict[str, Any], sampler: Sampler | None 
             f"snapshot of stage {state['stage']} (config {state['config_hash'][:12]}) "
             f"cannot restore stage {worker.index}"
         )
-    saved_basis = state["model"].get("basis")
-    if saved_basis is not None and saved_basis.shape != worker.stage.basis.shape:
-        resize_rank(worker.stage, saved_basis.shape[1])  # the rank grew before this snapshot
-        if worker.statistic is not None:
-            worker.statistic.reset()
+    _match_rank(worker, state["model"])
     worker.stage.load_state_dict(state["model"])
     for side, boundary in worker.mapl.items():
         moment = state["mapl"][side].get("input_moment")
@@ -169,6 +165,58 @@ def restore(worker: StageWorker, state: dict[str, Any], sampler: Sampler | None 
         worker.outer = OuterStep(worker.parameters(), worker.config.replica_sync)
         worker.outer.load_state_dict(state["outer"])
     return int(state["step"])
+
+
+def _match_rank(worker: StageWorker, model: dict[str, torch.Tensor]) -> None:
+    """Grow ``worker``'s basis to the rank of the saved ``model``'s (it grew before the snapshot)."""
+    saved_basis = model.get("basis")
+    if saved_basis is not None and saved_basis.shape != worker.stage.basis.shape:
+        resize_rank(worker.stage, saved_basis.shape[1])
+        if worker.statistic is not None:
+            worker.statistic.reset()
+
+
+def rebuild(worker: StageWorker, neighbours: list[dict[str, Any]]) -> int:
+    """Rebuild a lost middle stage from its two neighbours' captures of the same step (CheckFree,
+    arXiv 2506.15461) into a freshly built ``worker``; returns the step.
+
+    Each layer becomes the mean of the neighbours' layers at the same position within their stages
+    (a neighbour with fewer layers contributes where it has one; a position neither has keeps its
+    initial weights); the basis and the subspace version come from the neighbours; the optimizer,
+    the boundary statistic and any outer-step state start fresh. Not exact: the run goes on from an
+    approximation of the lost stage instead of rolling every stage back.
+    """
+    config, index = worker.config, worker.index
+    if sorted(int(n["stage"]) for n in neighbours) != [index - 1, index + 1]:
+        raise PayloadError(f"stage {index} is rebuilt from stages {index - 1} and {index + 1}")
+    if any(n["config_hash"] != config_hash(config) for n in neighbours):
+        raise PayloadError("a neighbour's snapshot belongs to another run configuration")
+    if len({int(n["step"]) for n in neighbours}) != 1 or len({n["version"] for n in neighbours}) != 1:
+        raise PayloadError("the neighbours' snapshots are of different steps or subspace versions")
+    ranges = stage_layer_ranges(config.model.n_layers, config.n_stages)
+    _match_rank(worker, neighbours[0]["model"])
+    rebuilt = {}
+    for key, value in worker.stage.state_dict().items():
+        kind, _, rest = key.partition(".")
+        if kind != "layers":
+            if key in neighbours[0]["model"]:  # the shared basis
+                rebuilt[key] = neighbours[0]["model"][key]
+            continue
+        layer, _, name = rest.partition(".")
+        position = int(layer) - worker.stage.start
+        sources = []
+        for n in neighbours:
+            start, end = ranges[int(n["stage"])]
+            if start + position < end:
+                sources.append(n["model"][f"layers.{start + position}.{name}"].to(value.device, value.dtype))
+        if sources:
+            rebuilt[key] = torch.stack(sources).mean(0)
+    worker.stage.load_state_dict(rebuilt, strict=False)
+    worker.version, worker.pending_rotation = neighbours[0]["version"], None
+    if worker.statistic is not None:
+        worker.statistic.reset()
+    worker.outer = None
+    return int(neighbours[0]["step"])
 
 
 @dataclass(frozen=True)

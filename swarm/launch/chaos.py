@@ -1,5 +1,9 @@
 """Churn on purpose: ``kill -9`` a random stage-hosting node every few seconds and measure recovery.
 
+With ``scope="stage"`` each kill takes every host of a random middle stage together with every
+standby (the nodes the coordinator picks first to keep snapshots): no copy of that stage is left,
+the case ``checkpoint.lost_stage`` decides (roll every stage back, or rebuild the lost one).
+
 Used by ``swarm up --chaos SECONDS`` and the churn benchmark. Each kill records the
 wall time and the run's progress (the last step every stage had completed). Recovery is
 read off the coordinator's step summaries, whose ``completed_at`` is the time of a
@@ -33,19 +37,36 @@ class Kill:
 class ChaosMonkey:
     """Decides when and whom to kill, and what each kill cost."""
 
-    def __init__(self, every_s: float, seed: int = 0):
-        self.every_s = every_s
+    def __init__(self, every_s: float, seed: int = 0, scope: str = "node", events: int = 0):
+        """Kill every ``every_s`` seconds, at most ``events`` times (0: no limit)."""
+        if scope not in ("node", "stage"):
+            raise ValueError(f"chaos scope {scope!r} must be 'node' or 'stage'")
+        self.every_s, self.scope, self.events = every_s, scope, events
+        self.picked = 0  # kill events so far
         self.rng = random.Random(seed)
         self.kills: list[Kill] = []
         self._next = time.time() + every_s
 
     def due(self) -> bool:
-        return time.time() >= self._next
+        return time.time() >= self._next and not (self.events and self.picked >= self.events)
 
-    def pick(self, hosts: list[str]) -> str:
-        """One of the stage-hosting nodes; schedules the next kill."""
-        self._next = time.time() + self.every_s
-        return self.rng.choice(sorted(hosts))
+    def pick(self, stages_of: dict[str, list[int]], n_stages: int) -> list[str]:
+        """Whom to kill now, of the alive nodes and their stages (empty: standby). ``"node"``: one
+        random stage host. ``"stage"``: every host of a random middle stage and every standby. Nobody
+        while no such node is placed (then the kill stays due); else the next kill is scheduled."""
+        if self.scope == "node":
+            hosts = sorted(n for n, stages in stages_of.items() if stages)
+            victims = [self.rng.choice(hosts)] if hosts else []
+        else:
+            middle = sorted({s for stages in stages_of.values() for s in stages if 0 < s < n_stages - 1})
+            stage = self.rng.choice(middle) if middle else None
+            victims = sorted(
+                n for n, stages in stages_of.items() if stage is not None and (stage in stages or not stages)
+            )
+        if victims:
+            self._next = time.time() + self.every_s
+            self.picked += 1
+        return victims
 
     def killed(self, node: str, progress: int, cut: int) -> None:
         self.kills.append(Kill(time.time(), node, progress, cut))

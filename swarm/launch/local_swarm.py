@@ -12,9 +12,10 @@ coordinator started behind a prefix may be unreachable from here, so the launche
 also starts a :func:`relay` behind the same prefix, from a Unix socket (the file
 system is shared across network namespaces) to the coordinator, and polls through it.
 
-With ``chaos_s`` a :class:`~swarm.launch.chaos.ChaosMonkey` ``kill -9``s a random stage-hosting
-node every ``chaos_s`` seconds and starts a fresh node in its place (a volunteer coming
-back), so the run keeps its standbys; the summary reports what each kill cost.
+With ``chaos`` a :class:`~swarm.launch.chaos.ChaosMonkey` ``kill -9``s a random stage-hosting
+node every few seconds (or a whole stage with its keepers) and starts a fresh node in each one's
+place (a volunteer coming back), so the run keeps its standbys; the summary reports what each
+kill cost.
 """
 
 from __future__ import annotations
@@ -179,8 +180,7 @@ def up(
     coordinator_prefix: list[str] | None = None,
     coordinator_host: str | None = None,
     standbys: int = 0,
-    chaos_s: float = 0.0,
-    chaos_seed: int = 0,
+    chaos: ChaosMonkey | None = None,
     metrics_base_port: int | None = None,
     tls: bool = False,
     dial_only: int = 0,
@@ -194,7 +194,7 @@ def up(
     ``coordinator_host``: the address each binds and announces (default: no prefix, 127.0.0.1).
     ``dead_after``: seconds without a heartbeat before the coordinator drops a node (raise it
     for very slow links, where heartbeats queue behind the frames). ``standbys``: extra nodes
-    that wait to replace a lost one. ``chaos_s > 0``: kill a random stage host that often.
+    that wait to replace a lost one. ``chaos``: kills nodes as it decides (each replaced by a fresh one).
     ``metrics_base_port``: the coordinator serves ``/metrics`` and ``/status`` on it, node ``i``
     ``/metrics`` on the next ports (printed); None: no metrics endpoints. ``tls``: a fresh CA
     in ``run_dir/certs`` and mutual TLS on every channel; otherwise clear text (``--insecure``
@@ -240,8 +240,7 @@ def up(
         print(f"coordinator {address}; watch the run: {watch}")
         start = time.monotonic()
         poller = StatusPoller(status_address, security, coordinator_host or "127.0.0.1")
-        chaos = ChaosMonkey(chaos_s, chaos_seed) if chaos_s > 0 else None
-        churn = functools.partial(_churn, chaos, poller, swarm) if chaos else None
+        churn = functools.partial(_churn, chaos, poller, swarm, config.n_stages) if chaos else None
         try:
             end = _follow(config, poller, swarm.procs, progress, timeout, swarm.killed, churn)
         finally:
@@ -411,16 +410,15 @@ def _print_metrics(base_port: int, coordinator_host: str, swarm: _Nodes) -> None
         print(f"metrics: node{i} http://{swarm.address(i)}:{swarm.metrics_port(i)}/metrics")
 
 
-def _churn(chaos: ChaosMonkey, poller: StatusPoller, swarm: _Nodes) -> None:
-    """When due, kill a random stage host (kill -9) and start a fresh node in its place."""
+def _churn(chaos: ChaosMonkey, poller: StatusPoller, swarm: _Nodes, n_stages: int) -> None:
+    """When due, kill (kill -9) what the chaos monkey picks and start as many fresh nodes in their place."""
     chaos.observe({s.step: s.completed_at for s in poller.steps})
-    hosts = [n.node_name for n in poller.nodes if n.alive and n.stages]
-    if not chaos.due() or not hosts or poller.run_complete:
+    if not chaos.due() or poller.run_complete:
         return
-    name = chaos.pick(hosts)
-    swarm.kill(name)
-    chaos.killed(name, len(poller.steps) - 1, poller.latest_cut)
-    swarm.start()
+    for name in chaos.pick({n.node_name: list(n.stages) for n in poller.nodes if n.alive}, n_stages):
+        swarm.kill(name)
+        chaos.killed(name, len(poller.steps) - 1, poller.latest_cut)
+        swarm.start()
 
 
 def _result(

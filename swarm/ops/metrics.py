@@ -210,6 +210,12 @@ class Metrics:
             ["reason"],
             registry=r,
         )
+        self.stage_rebuilds = Counter(
+            "swarm_stage_rebuilds",
+            "Stages rebuilt from their neighbours' snapshots because no copy of their own was left "
+            "(checkpoint.lost_stage = 'rebuild')",
+            registry=r,
+        )
         self.unreachable_joins = Counter(
             "swarm_unreachable_joins",
             "Joins placed as dial-only: no address announced (no_address), or the coordinator could not "

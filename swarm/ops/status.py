@@ -73,6 +73,7 @@ def status_document(reply: cpb.StatusReply) -> dict:
         "relayed_links": list(reply.relayed_links),
         "snapshot_holding": reply.snapshot_holding,
         "bad_holders": list(reply.bad_holders),
+        "rebuilt_stages": list(reply.rebuilt_stages),
         "rates": {
             "steps": r.steps,
             "loss": r.loss if r.HasField("loss") else None,
@@ -120,6 +121,7 @@ def render(reply: cpb.StatusReply, coordinator: str) -> str:
         *(f"  relayed: {link}" for link in doc["relayed_links"]),
         *([f"  {doc['snapshot_holding']}"] if doc["snapshot_holding"] else []),
         *(f"  bad snapshot holder: {line}" for line in doc["bad_holders"]),
+        *(f"  {line}" for line in doc["rebuilt_stages"]),
         "",
     ]
     header = ("node", "name", "state", "phase", "stages", "inbound", "step", "tok/s", "heartbeat", "subspace")

@@ -107,7 +107,7 @@ class SnapshotHolder(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., certificate: _Optional[str] = ..., access: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "stages", "links", "resume_step", "restore", "replicas", "upload_snapshots")
+    __slots__ = ("epoch", "stages", "links", "resume_step", "restore", "replicas", "upload_snapshots", "rebuild")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
@@ -115,6 +115,7 @@ class Plan(_message.Message):
     RESTORE_FIELD_NUMBER: _ClassVar[int]
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
+    REBUILD_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     stages: _containers.RepeatedScalarFieldContainer[int]
     links: _containers.RepeatedCompositeFieldContainer[BoundaryLink]
@@ -122,7 +123,8 @@ class Plan(_message.Message):
     restore: _containers.RepeatedCompositeFieldContainer[StageCheckpoint]
     replicas: _containers.RepeatedCompositeFieldContainer[StageReplicas]
     upload_snapshots: bool
-    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., resume_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageReplicas, _Mapping]]] = ..., upload_snapshots: _Optional[bool] = ...) -> None: ...
+    rebuild: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., resume_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageReplicas, _Mapping]]] = ..., upload_snapshots: _Optional[bool] = ..., rebuild: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class StageReplica(_message.Message):
     __slots__ = ("node_id", "microbatches", "averaging_address")
@@ -471,7 +473,7 @@ class NodeStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_name: _Optional[str] = ..., address: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., last_heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., device: _Optional[str] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., left: _Optional[bool] = ..., last_stages: _Optional[_Iterable[int]] = ..., reachable: _Optional[bool] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps", "plan_epoch", "resume_step", "latest_cut", "run_complete", "epochs_restarted", "rates", "plan_problems", "relayed_links", "snapshot_holding", "bad_holders")
+    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps", "plan_epoch", "resume_step", "latest_cut", "run_complete", "epochs_restarted", "rates", "plan_problems", "relayed_links", "snapshot_holding", "bad_holders", "rebuilt_stages")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -489,6 +491,7 @@ class StatusReply(_message.Message):
     RELAYED_LINKS_FIELD_NUMBER: _ClassVar[int]
     SNAPSHOT_HOLDING_FIELD_NUMBER: _ClassVar[int]
     BAD_HOLDERS_FIELD_NUMBER: _ClassVar[int]
+    REBUILT_STAGES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     subspace_version: int
@@ -506,7 +509,8 @@ class StatusReply(_message.Message):
     relayed_links: _containers.RepeatedScalarFieldContainer[str]
     snapshot_holding: str
     bad_holders: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., latest_cut: _Optional[int] = ..., run_complete: _Optional[bool] = ..., epochs_restarted: _Optional[int] = ..., rates: _Optional[_Union[RunRates, _Mapping]] = ..., plan_problems: _Optional[_Iterable[str]] = ..., relayed_links: _Optional[_Iterable[str]] = ..., snapshot_holding: _Optional[str] = ..., bad_holders: _Optional[_Iterable[str]] = ...) -> None: ...
+    rebuilt_stages: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., latest_cut: _Optional[int] = ..., run_complete: _Optional[bool] = ..., epochs_restarted: _Optional[int] = ..., rates: _Optional[_Union[RunRates, _Mapping]] = ..., plan_problems: _Optional[_Iterable[str]] = ..., relayed_links: _Optional[_Iterable[str]] = ..., snapshot_holding: _Optional[str] = ..., bad_holders: _Optional[_Iterable[str]] = ..., rebuilt_stages: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunRates(_message.Message):
     __slots__ = ("steps", "loss", "tokens_per_second", "bytes_per_token", "compression_ratio")
