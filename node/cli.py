@@ -54,7 +54,14 @@ def build_parser() -> argparse.ArgumentParser:
         "--snapshot-mbps",
         type=float,
         default=0.0,
-        help="most Mbit/s this node spends serving snapshot chunks to peers (0: no cap)",
+        help="most Mbit/s this node spends serving snapshot chunks to peers (0: --snapshot-share decides)",
+    )
+    p.add_argument(
+        "--snapshot-share",
+        type=float,
+        default=NodeSettings.snapshot_share,
+        help="without --snapshot-mbps: serve snapshot chunks at most at this share of the uplink measured "
+        "on the boundary streams (0: no cap; unpaced until one is measured)",
     )
     p.add_argument(
         "--snapshot-chunk-kb",
@@ -288,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
         name=args.name,
         relay_port=args.relay_port,
         snapshot_mbps=max(0.0, args.snapshot_mbps),
+        snapshot_share=min(max(0.0, args.snapshot_share), 1.0),
         snapshot_chunk_bytes=min(max(1, args.snapshot_chunk_kb) << 10, MAX_CHUNK_BYTES),
         security=security,
         timeouts=dataclasses.replace(

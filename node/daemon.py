@@ -201,7 +201,9 @@ class NodeDaemon:
         coordinator orders this node to keep."""
         s = self.settings
         if self.service is not None:
-            self.service.snapshots = SnapshotServer(store, self.metrics, s.snapshot_mbps)
+            self.service.snapshots = SnapshotServer(
+                store, self.metrics, s.snapshot_mbps, s.snapshot_share, self.service.uplink
+            )
             self.service.snapshots.access = access
 
         def report_bad(ref: cpb.StageCheckpoint, holder: str) -> None:

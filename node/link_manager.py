@@ -177,6 +177,7 @@ class LinkManager:
                 timeout=timeout,
                 keepalive=self.settings.timeouts.keepalive,
                 security=self.settings.security,
+                uplink=self.service.uplink if self.service is not None else None,
             )
             self._channels.append(channel)
             self._install(link, stage_link)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -30,6 +31,7 @@ from swarm.net.channel import DEFAULT_KEEPALIVE, KeepAlive, open_channel
 from swarm.net.frames import PROTOCOL_VERSION, frame_from_message, to_message
 from swarm.net.shaper import UNSHAPED, LinkProfile, ShapedSender
 from swarm.net.tls import INSECURE, NODE_SERVER_NAME, Security
+from swarm.net.uplink import UplinkMeter
 from swarm.ops.metrics import Metrics
 from swarm.runtime.wire import ActivationFrame, BoundarySync, GradientFrame
 
@@ -213,8 +215,11 @@ class StageLink:
         profile: LinkProfile = UNSHAPED,
         finish: Callable[[], Awaitable[None]] | None = None,
         queue_messages: int = SEND_QUEUE_MESSAGES,
+        uplink: UplinkMeter | None = None,
     ):
+        """``uplink``: measures the node's uplink from this stream's backlogged writes."""
         self.boundary, self._read, self.metrics, self._finish = boundary, read, metrics, finish
+        self.uplink = uplink
         self._raw_write = write
         self._sender = ShapedSender(self._write, profile) if profile.shaped else None
         self._outbox: asyncio.Queue[stage_pb2.StageMessage | None] = asyncio.Queue(maxsize=queue_messages)
@@ -231,11 +236,14 @@ class StageLink:
                 return
             if self._send_failure is not None:
                 continue
+            size, backlogged, started = msg.ByteSize(), not self._outbox.empty(), time.monotonic()
             try:
                 if self._sender is not None:
-                    await self._sender.send(msg, msg.ByteSize())
+                    await self._sender.send(msg, size)
                 else:
                     await self._write(msg)
+                if backlogged and self.uplink is not None:
+                    self.uplink.record(size, time.monotonic() - started)
             except Exception as e:
                 failure = e if isinstance(e, LinkError) else LinkError(f"boundary {self.boundary}: {e}")
                 failure.boundary = self.boundary
@@ -363,6 +371,7 @@ async def dial(
     timeout: float = 30.0,
     keepalive: KeepAlive = DEFAULT_KEEPALIVE,
     security: Security = INSECURE,
+    uplink: UplinkMeter | None = None,
 ) -> tuple[StageLink, grpc.aio.Channel]:
     """Open the boundary stream to ``address`` and exchange Hellos; retries until ``timeout``.
 
@@ -385,7 +394,10 @@ async def dial(
             problem = check_hello(reply, identity, boundary, lambda b: [peer])
             if problem is not None:
                 raise LinkError(f"boundary {boundary}: peer at {address} answered badly: {problem[1]}")
-            return StageLink(boundary, call.read, call.write, metrics, profile, call.done_writing), channel
+            link = StageLink(
+                boundary, call.read, call.write, metrics, profile, call.done_writing, uplink=uplink
+            )
+            return link, channel
         except (TimeoutError, grpc.aio.AioRpcError, _NotYet) as e:
             await channel.close()
             if loop.time() > deadline:

@@ -56,7 +56,8 @@ class NodeSettings:
     dht_listen: str = ""  # DHT multiaddr; default: TCP on a free port of the metrics_host default
     name: str = ""
     relay_port: int | None = None  # run a relay for other nodes' links on the listen host (0: a free port)
-    snapshot_mbps: float = 0.0  # cap on serving snapshot chunks to peers (0: none)
+    snapshot_mbps: float = 0.0  # cap on serving snapshot chunks to peers (0: the share below)
+    snapshot_share: float = 0.5  # else this share of the uplink measured on boundary streams (0: none)
     snapshot_chunk_bytes: int = CHUNK_BYTES  # chunk size of the snapshots it takes
     timeouts: Timeouts = field(default_factory=Timeouts)
     security: Security = INSECURE  # TLS of the coordinator channel, the Stage server and its streams

@@ -4,8 +4,10 @@ A node holds the snapshots it took and those it keeps for others (keep orders) i
 :class:`~swarm.io.checkpoint.SnapshotStore`. The coordinator gives the node an access secret at
 Join and names it only to the nodes it tells to fetch from this one; a request must carry it (compared
 in constant time). Chunks are read
-from the snapshot file as asked and sent at most at ``mbps`` across all requests (0: unpaced), so
-serving a newcomer leaves room for the node's boundary traffic. The fetcher checks every chunk.
+from the snapshot file as asked and sent, across all requests, at most at ``mbps`` when the
+operator set it, else at ``share`` of the uplink this node measured on its boundary streams
+(:class:`~swarm.net.uplink.UplinkMeter`; unpaced until it measured one), so serving a newcomer or
+a keeper leaves room for the node's boundary traffic. The fetcher checks every chunk.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import asyncio
 import hmac
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import grpc
@@ -22,23 +24,39 @@ import grpc
 from swarm._proto.swarm.v1 import stage_pb2
 from swarm.io.checkpoint import SnapshotStore
 from swarm.io.manifest import MAX_CHUNK_BYTES
+from swarm.net.uplink import UplinkMeter
 from swarm.ops.metrics import Metrics
 
 log = logging.getLogger(__name__)
 
 
 class Pacer:
-    """Spaces sends so their bytes leave at ``mbps`` at most (0: no pacing)."""
+    """Spaces sends so their bytes leave at ``rate()`` Mbit/s at most (0: no pacing), the rate read
+    at every send."""
 
-    def __init__(self, mbps: float):
-        self.mbps, self._free_at = mbps, 0.0
+    def __init__(self, rate: Callable[[], float]):
+        self.rate, self._free_at = rate, 0.0
 
     async def send(self, nbytes: int) -> None:
-        if self.mbps <= 0:
+        mbps = self.rate()
+        if mbps <= 0:
             return
         now = time.monotonic()
-        self._free_at = max(now, self._free_at) + 8 * nbytes / (self.mbps * 1e6)
+        self._free_at = max(now, self._free_at) + 8 * nbytes / (mbps * 1e6)
         await asyncio.sleep(self._free_at - now)
+
+
+def serving_cap(mbps: float, share: float, uplink: UplinkMeter | None) -> Callable[[], float]:
+    """The serving rate in Mbit/s: ``mbps`` when set, else ``share`` of the measured uplink (0: none
+    measured yet, or no share: unpaced)."""
+
+    def rate() -> float:
+        if mbps > 0:
+            return mbps
+        measured = uplink.mbps() if uplink is not None and share > 0 else None
+        return share * measured if measured else 0.0
+
+    return rate
 
 
 def _read(path: Path, offset: int, length: int) -> bytes:
@@ -50,8 +68,16 @@ def _read(path: Path, offset: int, length: int) -> bytes:
 class SnapshotServer:
     """The chunks of ``store``'s snapshots, to callers that name ``access`` (set at Join; "" refuses all)."""
 
-    def __init__(self, store: SnapshotStore, metrics: Metrics, mbps: float = 0.0):
-        self.store, self.metrics, self.pacer = store, metrics, Pacer(mbps)
+    def __init__(
+        self,
+        store: SnapshotStore,
+        metrics: Metrics,
+        mbps: float = 0.0,
+        share: float = 0.0,
+        uplink: UplinkMeter | None = None,
+    ):
+        self.store, self.metrics = store, metrics
+        self.pacer = Pacer(serving_cap(mbps, share, uplink))
         self.access = ""
 
     async def serve(
@@ -83,6 +109,7 @@ class SnapshotServer:
             except OSError:  # pruned meanwhile (a newer cut of that stage arrived)
                 await self._refuse(context, grpc.StatusCode.NOT_FOUND, "snapshot_unknown", "snapshot pruned")
             await self.pacer.send(len(data))
+            self.metrics.snapshot_serving_mbps.set(self.pacer.rate())
             self.metrics.snapshot_served_bytes.inc(len(data))
             yield stage_pb2.SnapshotChunk(index=index, data=data)
 

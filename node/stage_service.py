@@ -32,6 +32,7 @@ from swarm.node.snapshot_server import SnapshotServer
 from swarm._proto.swarm.v1 import stage_pb2, stage_pb2_grpc
 from swarm.net.frames import PROTOCOL_VERSION
 from swarm.net.shaper import UNSHAPED, LinkProfile
+from swarm.net.uplink import UplinkMeter
 from swarm.ops.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -77,6 +78,7 @@ class StageService(stage_pb2_grpc.StageServicer):
 
     def __init__(self, metrics: Metrics, profile: LinkProfile = UNSHAPED):
         self.metrics, self.profile = metrics, profile
+        self.uplink = UplinkMeter()  # from every boundary stream of this node (accepted or dialled)
         self.acceptor: Acceptor | None = None
         self.node_id = ""
         self.local_address = ""  # host:port this node reaches its own server at (where a relay's streams go)
@@ -115,7 +117,9 @@ class StageService(stage_pb2_grpc.StageServicer):
             return
         boundary = first.hello.boundary
         await context.write(hello(acceptor.identity, boundary, acceptor.local_stage(boundary), peer.secret))
-        link = StageLink(boundary, context.read, context.write, self.metrics, self.profile)
+        link = StageLink(
+            boundary, context.read, context.write, self.metrics, self.profile, uplink=self.uplink
+        )
         try:
             await acceptor.attach(boundary, peer.node_id, link)
         finally:  # what is queued goes out before the call ends (e.g. a refusal's Error)

@@ -15,6 +15,7 @@ import torch
 from swarm.node import stage_service
 from swarm.node.links import BadFrameError, LinkError, PlannedPeer, RunIdentity, StageLink, dial, hello
 from swarm.node.schedule import StageRunner
+from swarm.node.snapshot_server import serving_cap
 from swarm.node.stage_host import connect_local
 from swarm.node.stage_service import StageService
 
@@ -25,6 +26,7 @@ from swarm.net.channel import open_channel, server_options
 from swarm.net.frames import to_message
 from swarm.net.shaper import LinkProfile
 from swarm.net.tls import INSECURE, Security
+from swarm.net.uplink import UplinkMeter
 from swarm.ops.metrics import Metrics
 from swarm.runtime.pipeline import LocalPipeline
 from swarm.runtime.wire import ActivationFrame, GradientFrame
@@ -589,3 +591,39 @@ def test_four_stage_schedules_give_the_single_process_gradients(schedule):
     for mine, theirs in zip(workers, reference.workers, strict=True):
         for a, b in zip(mine.parameters(), theirs.parameters(), strict=True):
             assert torch.allclose(a, b, rtol=1e-5, atol=1e-7), (a - b).abs().max()
+
+
+def test_the_uplink_is_measured_from_backlogged_writes_and_caps_snapshot_serving():
+    """A 2 Mbit/s emulated link kept backlogged: the meter reads about 2 Mbit/s; the snapshot server's
+    cap is half of it by default, and an operator's --snapshot-mbps overrides the share."""
+
+    async def scenario() -> float | None:
+        async def write(msg: stage_pb2.StageMessage) -> None:
+            pass
+
+        meter = UplinkMeter()
+        link = StageLink(0, asyncio.Event().wait, write, Metrics("node"), LinkProfile(mbps=2.0), uplink=meter)
+        for step in range(8):  # 8 x 10 kB at 2 Mbit/s: ~0.3 s, the queue never empty
+            await link.send(gradient(step))
+        await link.close(10.0)
+        return meter.mbps()
+
+    measured = run(scenario())
+    assert measured is not None and 1.5 < measured < 2.5
+    meter = UplinkMeter()
+    assert serving_cap(0.0, 0.5, meter)() == 0.0  # nothing measured yet: unpaced
+    meter.record(1_000_000, 1.0)
+    assert serving_cap(0.0, 0.5, meter)() == pytest.approx(4.0)
+    assert serving_cap(10.0, 0.5, meter)() == 10.0
+    assert serving_cap(0.0, 0.0, meter)() == 0.0
+
+
+def test_the_uplink_meter_forgets_old_samples_and_ignores_too_little():
+    now = [0.0]
+    meter = UplinkMeter(window_s=10.0, clock=lambda: now[0])
+    meter.record(1000, 0.01)
+    assert meter.mbps() is None  # 10 ms of backlogged writes: too little to tell
+    meter.record(1_000_000, 0.5)
+    assert meter.mbps() == pytest.approx(8 * 1_001_000 / 0.51 / 1e6)
+    now[0] = 11.0
+    assert meter.mbps() is None

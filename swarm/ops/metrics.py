@@ -166,6 +166,12 @@ class Metrics:
             "Snapshot chunk bytes this node served to fetching peers",
             registry=r,
         )
+        self.snapshot_serving_mbps = Gauge(
+            "swarm_snapshot_serving_mbps",
+            "The cap on serving snapshot chunks when last applied: --snapshot-mbps, else --snapshot-share "
+            "of the uplink measured on boundary streams (0: unpaced)",
+            registry=r,
+        )
         self.snapshot_fetched_bytes = Counter(
             "swarm_snapshot_fetched_bytes",
             "Snapshot bytes this node fetched and verified, from peers or from the coordinator",
