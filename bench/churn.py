@@ -8,11 +8,13 @@ that many hosts, which average every step; the standbys that become them join fi
 tokens/s over the whole run (wall clock, process start to end, so the time lost to recoveries
 counts) and the fraction the churned run retains of the undisturbed one with as many replicas;
 per failure the recovery time (kill to the first redone step completing again) and the steps
-redone (progress at the kill minus the step the run resumed after). With ``lost_stage`` the run
-also goes (one host per stage) under a monkey that kills a middle stage's host together with every
-standby, the keepers of its snapshots, so no copy of that stage is left: once per policy
-(``checkpoint.lost_stage``: roll every stage back, or rebuild the lost one from its neighbours),
-with the final loss beside the undisturbed run's.
+redone (progress at the kill minus the step the run resumed after).
+
+:func:`lost_stage` (its own section) runs the same model once undisturbed and once per
+``checkpoint.lost_stage`` policy with a middle stage's host killed together with every standby, the
+keepers of its snapshots, so no copy of that stage's snapshots is left: every stage rolls back to
+an older cut that has all of them (or step 0), or the lost stage is rebuilt from its neighbours
+(CheckFree); the final loss beside the undisturbed run's.
 """
 
 from __future__ import annotations
@@ -37,71 +39,75 @@ class ChurnPlan:
     dead_after_s: float = 4.0
     link_latency_ms: float = 10.0
     replicas: tuple[int, ...] = (1,)
-    lost_stage: tuple[str, ...] = ()  # checkpoint.lost_stage policies run under whole-stage losses
-    lost_stage_events: int = 1  # whole-stage losses per run (each may roll the run back to step 0)
+    lost_stage: tuple[str, ...] = ("rollback", "rebuild")  # checkpoint.lost_stage policies compared
+    lost_stage_after_s: float = 60.0  # when a middle stage and its keepers are lost (lost_stage section)
 
 
 def run(p: ChurnPlan) -> list[dict]:
+    """Per replica count: the run undisturbed, then under a kill every ``kill_every_s`` seconds."""
     rows = []
     for replicas in p.replicas:
-        rows += _runs(p, replicas)
+        scenarios = [("none", None), (f"kill -9 every {p.kill_every_s:.0f} s", ChaosMonkey(p.kill_every_s))]
+        rows += _retained([_run(p, replicas, label, chaos) for label, chaos in scenarios])
     return rows
 
 
-def _runs(p: ChurnPlan, replicas: int) -> list[dict]:
-    """The run undisturbed, then under chaos, with ``replicas`` hosts per stage (and with one, under
-    whole-stage losses per ``lost_stage`` policy)."""
-    scenarios = [(0.0, "node", "rollback"), (p.kill_every_s, "node", "rollback")]
-    if replicas == 1:
-        scenarios += [(p.kill_every_s, "stage", policy) for policy in p.lost_stage]
-    rows = []
-    for chaos_s, scope, policy in scenarios:
-        config = RunConfig(
-            model=p.model,
-            train=dataclasses.replace(p.train, replicas=replicas),
-            data=DataConfig(tokenizer="byte"),
-            checkpoint=CheckpointConfig(interval=p.checkpoint_interval, lost_stage=policy),
-            n_stages=p.n_stages,
+def lost_stage(p: ChurnPlan) -> list[dict]:
+    """One host per stage: the run undisturbed, then, once per ``lost_stage`` policy, with a middle
+    stage's host and every standby killed together ``lost_stage_after_s`` seconds in."""
+    label = f"a middle stage's host and every standby, after {p.lost_stage_after_s:.0f} s"
+    rows = [_run(p, 1, "none", None)]
+    for policy in p.lost_stage:
+        chaos = ChaosMonkey(p.lost_stage_after_s, scope="stage", events=1)
+        rows.append(_run(p, 1, label, chaos, policy) | {"lost_stage": policy})
+    return _retained(rows)
+
+
+def _run(
+    p: ChurnPlan, replicas: int, label: str, chaos: ChaosMonkey | None, policy: str = "rollback"
+) -> dict:
+    """One local swarm run of the plan's model under ``chaos`` (None: undisturbed)."""
+    config = RunConfig(
+        model=p.model,
+        train=dataclasses.replace(p.train, replicas=replicas),
+        data=DataConfig(tokenizer="byte"),
+        checkpoint=CheckpointConfig(interval=p.checkpoint_interval, lost_stage=policy),
+        n_stages=p.n_stages,
+    )
+    with tempfile.TemporaryDirectory(prefix="swarm-churn-") as tmp:
+        s = up(
+            config,
+            Path(tmp) / "run",
+            standbys=p.standbys + p.n_stages * (replicas - 1),
+            link_latency_ms=p.link_latency_ms,
+            dead_after=p.dead_after_s,
+            progress=False,
+            timeout=1800,
+            chaos=chaos,
+            use_dht=replicas > 1,  # replicas average over the DHT's P2P (loopback, no port mapping)
         )
-        with tempfile.TemporaryDirectory(prefix="swarm-churn-") as tmp:
-            s = up(
-                config,
-                Path(tmp) / "run",
-                standbys=p.standbys + p.n_stages * (replicas - 1),
-                link_latency_ms=p.link_latency_ms,
-                dead_after=p.dead_after_s,
-                progress=False,
-                timeout=1800,
-                chaos=ChaosMonkey(chaos_s, scope=scope, events=p.lost_stage_events if scope == "stage" else 0)
-                if chaos_s
-                else None,
-                use_dht=replicas > 1,  # replicas average over the DHT's P2P (loopback, no port mapping)
-            )
-        chaos = s.chaos or {"kills": 0, "recovered": 0}
-        if scope == "stage":
-            churn = f"a middle stage's host and every standby, {p.lost_stage_events}x after {chaos_s:.0f} s"
-        else:
-            churn = f"kill -9 every {chaos_s:.0f} s" if chaos_s else "none"
-        rows.append(
-            {
-                "replicas": replicas,
-                "churn": churn,
-                "lost_stage": policy if scope == "stage" else None,
-                "final_loss": s.losses[-1] if s.losses else None,
-                "steps": s.steps,
-                "seconds": s.seconds,
-                "tokens_per_s": s.tokens / s.seconds,
-                "epochs_restarted": s.epochs_restarted,
-                "kills": chaos["kills"],
-                "recoveries": chaos["recovered"],
-                "mean_recovery_s": chaos.get("mean_recovery_s"),
-                "max_recovery_s": chaos.get("max_recovery_s"),
-                "mean_steps_redone": chaos.get("mean_steps_redone"),
-                "kills_detail": chaos.get("kills_detail", []),
-            }
-        )
+    summary = s.chaos or {"kills": 0, "recovered": 0}
+    return {
+        "replicas": replicas,
+        "churn": label,
+        "final_loss": s.losses[-1] if s.losses else None,
+        "steps": s.steps,
+        "seconds": s.seconds,
+        "tokens_per_s": s.tokens / s.seconds,
+        "epochs_restarted": s.epochs_restarted,
+        "kills": summary["kills"],
+        "recoveries": summary["recovered"],
+        "mean_recovery_s": summary.get("mean_recovery_s"),
+        "max_recovery_s": summary.get("max_recovery_s"),
+        "mean_steps_redone": summary.get("mean_steps_redone"),
+        "kills_detail": summary.get("kills_detail", []),
+    }
+
+
+def _retained(rows: list[dict]) -> list[dict]:
+    """Each row's throughput and final loss against the first (undisturbed) row's."""
     for row in rows:
-        row["retained"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]  # of the undisturbed run
+        row["retained"] = row["tokens_per_s"] / rows[0]["tokens_per_s"]
         if row["final_loss"] is not None and rows[0]["final_loss"]:
             row["loss_vs_undisturbed"] = row["final_loss"] / rows[0]["final_loss"] - 1
     return rows

@@ -200,7 +200,6 @@ def plan(quick: bool) -> BenchPlan:
             kill_every_s=20,
             checkpoint_interval=10,
             replicas=(1, 2),
-            lost_stage=("rollback", "rebuild"),
         ),
         multihost=multihost.MultiHostPlan(
             small, TrainConfig(steps=20, batch_size=8, seq_len=128, microbatches=2), mbps=100
@@ -364,6 +363,8 @@ def sections(p: BenchPlan, quick: bool, cache: Path | None = None) -> dict[str, 
         out["gpu_scale"] = lambda: [_paper_scale(plan, p.shaper) for plan in p.gpu_scale]
     if p.churn is not None:
         out["churn"] = lambda: churn.run(p.churn)
+        if not quick:  # three more runs of the churn model: the full plan only
+            out["lost_stage"] = lambda: churn.lost_stage(p.churn)
     if p.multihost is not None:
         out["multihost"] = lambda: _multihost(p)
     if p.generation is not None:
