@@ -47,8 +47,10 @@ def run(p: ChurnPlan) -> list[dict]:
     """Per replica count: the run undisturbed, then under a kill every ``kill_every_s`` seconds."""
     rows = []
     for replicas in p.replicas:
-        scenarios = [("none", None), (f"kill -9 every {p.kill_every_s:.0f} s", ChaosMonkey(p.kill_every_s))]
-        rows += _retained([_run(p, replicas, label, chaos) for label, chaos in scenarios])
+        calm = _run(p, replicas, "none", None)
+        # the monkey's clock starts now, with the run it disturbs
+        churned = _run(p, replicas, f"kill -9 every {p.kill_every_s:.0f} s", ChaosMonkey(p.kill_every_s))
+        rows += _retained([calm, churned])
     return rows
 
 
