@@ -167,9 +167,9 @@ class Ledger:
         A snapshot that has neither is dropped with its record, so its cut is never offered again
         (unless its stage is rebuilt at it).
         """
+        n = self.config.n_stages
         cuts = set(self._complete_cuts()) | ({self.rebuild_cut} if self.rebuild_cut >= 0 else set())
         for step in sorted(cuts, reverse=True):
-            n = self.config.n_stages
             records = [self.checkpoints[(step, s)] for s in range(n) if (step, s) in self.checkpoints]
             bad = [r for r in records if not self._available(r)]
             lost = {s for s in range(n) if (step, s) not in self.checkpoints} | {r.stage for r in bad}

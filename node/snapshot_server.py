@@ -37,13 +37,15 @@ class Pacer:
     def __init__(self, rate: Callable[[], float]):
         self.rate, self._free_at = rate, 0.0
 
-    async def send(self, nbytes: int) -> None:
+    async def send(self, nbytes: int) -> float:
+        """Wait until ``nbytes`` may leave; returns the rate applied (0: unpaced)."""
         mbps = self.rate()
         if mbps <= 0:
-            return
+            return 0.0
         now = time.monotonic()
         self._free_at = max(now, self._free_at) + 8 * nbytes / (mbps * 1e6)
         await asyncio.sleep(self._free_at - now)
+        return mbps
 
 
 def serving_cap(mbps: float, share: float, uplink: UplinkMeter | None) -> Callable[[], float]:
@@ -108,8 +110,7 @@ class SnapshotServer:
                 )
             except OSError:  # pruned meanwhile (a newer cut of that stage arrived)
                 await self._refuse(context, grpc.StatusCode.NOT_FOUND, "snapshot_unknown", "snapshot pruned")
-            await self.pacer.send(len(data))
-            self.metrics.snapshot_serving_mbps.set(self.pacer.rate())
+            self.metrics.snapshot_serving_mbps.set(await self.pacer.send(len(data)))
             self.metrics.snapshot_served_bytes.inc(len(data))
             yield stage_pb2.SnapshotChunk(index=index, data=data)
 

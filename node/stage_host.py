@@ -154,16 +154,9 @@ class StageHost:
             if worker.is_first:
                 sampler = self.dataset().sampler(t.batch_size, t.seq_len, t.seed)
                 self.sampler = sampler
-            state = own.get(s)
-            if state is None and s in snapshots:
-                state = checkpoint.from_bytes(snapshots[s], self.device)
+            state = self._state_of(s, own, snapshots)
             if s in rebuilt:
-                sources = [own.get(n) for n in (s - 1, s + 1)]
-                sources = [
-                    src if src is not None else checkpoint.from_bytes(snapshots[n], self.device)
-                    for n, src in zip((s - 1, s + 1), sources, strict=True)
-                ]
-                step = checkpoint.rebuild(worker, sources)
+                step = checkpoint.rebuild(worker, [self._state_of(n, own, snapshots) for n in (s - 1, s + 1)])
                 if step != self.plan.resume_step - 1:
                     raise RuntimeError(f"stage {s} rebuilt from step {step}, the plan resumes after it")
                 say(f"stage {s}: rebuilt from stages {s - 1} and {s + 1} after step {step} (no copy left)")
@@ -190,6 +183,12 @@ class StageHost:
                 Routes.of(s, self.node_id, owners),
                 averaging,
             )
+
+    def _state_of(self, stage: int, own: dict[int, dict], snapshots: dict[int, bytes]) -> dict | None:
+        """The state of ``stage`` this node kept itself, else parsed from its fetched snapshot (None)."""
+        if stage in own:
+            return own[stage]
+        return checkpoint.from_bytes(snapshots[stage], self.device) if stage in snapshots else None
 
     def _batches(self, sampler: Sampler) -> Callable[[int], torch.Tensor]:
         expected = [self.plan.resume_step]

@@ -59,10 +59,10 @@ class ChaosMonkey:
             victims = [self.rng.choice(hosts)] if hosts else []
         else:
             middle = sorted({s for stages in stages_of.values() for s in stages if 0 < s < n_stages - 1})
-            stage = self.rng.choice(middle) if middle else None
-            victims = sorted(
-                n for n, stages in stages_of.items() if stage is not None and (stage in stages or not stages)
-            )
+            victims = []
+            if middle:
+                stage = self.rng.choice(middle)
+                victims = sorted(n for n, stages in stages_of.items() if stage in stages or not stages)
         if victims:
             self._next = time.time() + self.every_s
             self.picked += 1
