@@ -285,7 +285,8 @@ def run_key(config: RunConfig, eval_batches: int) -> str:
 def curve(
     v: Variant, plan: QualityPlan, dataset: TokenDataset, cache: Path | None, progress: Callable[[str], None]
 ) -> dict:
-    """One variant's training run and validation curve (from ``cache`` when it holds this exact run)."""
+    """One variant's training run and validation curve (from ``cache`` when it holds this exact run;
+    a run interrupted part way continues from its last evaluation, kept beside the cache entry)."""
     config = v.config(plan.train, plan.n_stages)
     key = run_key(config, plan.eval_batches)
     saved = cache / f"{key}.json" if cache is not None else None
@@ -294,7 +295,8 @@ def curve(
         return json.loads(saved.read_text())
     progress(f"quality: training {v.name}")
     try:
-        s = train(config, "auto", dataset, False, eval_batches=plan.eval_batches)
+        resume = saved.with_suffix(".progress.pt") if saved is not None else None
+        s = train(config, "auto", dataset, False, eval_batches=plan.eval_batches, resume=resume)
     except PayloadError as e:  # non-finite values reached a boundary: the variant diverged
         row = {"variant": v.name, "lever": v.lever, "diverged": str(e)}
     else:

@@ -105,7 +105,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 
     config = run_config_from_args(args)
     print(f"run {config_hash(config)[:12]}: {config.to_json()}")
-    s = train(config, device=args.device, out_dir=args.out)
+    s = train(config, device=args.device, out_dir=args.out, resume=args.resume)
     print(
         f"\n{s.steps} steps, {s.tokens} tokens in {s.seconds:.1f} s "
         f"({s.tokens / s.seconds:.0f} tok/s, {s.device})\n"
@@ -440,6 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(p)
     p.add_argument("--device", default="auto", help="auto (CUDA if present), cpu, cuda, cuda:1 ...")
     p.add_argument("--out", help="folder for summary.json")
+    p.add_argument(
+        "--resume",
+        metavar="FILE",
+        help="keep the run's progress in FILE at every evaluation and continue from it if present",
+    )
     p.set_defaults(func=cmd_train)
     p = sub.add_parser(
         "up", help="a coordinator and one node process per stage on loopback, training together"

@@ -73,3 +73,71 @@ def test_cli_rejects_bad_configuration(capsys):
 def test_a_sequence_longer_than_the_model_context_is_refused_at_configuration():
     with pytest.raises(ValueError, match=r"train\.seq_len=128 exceeds model\.max_seq_len=64"):
         RunConfig(model=MODEL_PRESETS["tiny"], train=TrainConfig(seq_len=128))
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class _FailingDataset:
+    """The bundled corpus, whose sampler fails on its ``fail_at``-th batch (a killed run)."""
+
+    def __init__(self, dataset, fail_at: int):
+        self.val, self._dataset, self._fail_at = dataset.val, dataset, fail_at
+
+    def sampler(self, *args):
+        inner, calls = self._dataset.sampler(*args), [0]
+        fail_at = self._fail_at
+
+        class Sampler:
+            def next_batch(self):
+                calls[0] += 1
+                if calls[0] == fail_at:
+                    raise _Interrupted
+                return inner.next_batch()
+
+            def state_dict(self):
+                return inner.state_dict()
+
+            def load_state_dict(self, state):
+                inner.load_state_dict(state)
+
+        return Sampler()
+
+
+@pytest.mark.parametrize("kind", ["identity", "subspace"])
+def test_an_interrupted_run_resumes_bit_for_bit(dataset, tmp_path, kind):
+    model = dataclasses.replace(MODEL_PRESETS["tiny"], subspace_rank=8 if kind == "subspace" else 0)
+    config = RunConfig(
+        model=model,
+        codec=CodecConfig(kind=kind),
+        train=TrainConfig(steps=8, batch_size=4, seq_len=32, microbatches=2, lr=1e-2, eval_every=3),
+        n_stages=2,
+    )
+    if kind == "subspace":  # a rotation pending across the saved step (interval 3: steps 3 and 6)
+        config = dataclasses.replace(config, rotation=dataclasses.replace(config.rotation, interval=3))
+    whole = train(config, device="cpu", dataset=dataset, progress=False, eval_batches=1)
+    progress_file = tmp_path / "run.progress.pt"
+    with pytest.raises(_Interrupted):  # fails in step 7, after the save at step 6
+        train(config, "cpu", _FailingDataset(dataset, 8), False, eval_batches=1, resume=progress_file)
+    assert progress_file.exists()
+    resumed = train(config, "cpu", dataset, False, eval_batches=1, resume=progress_file)
+    assert resumed.losses == whole.losses
+    assert resumed.val_losses == whole.val_losses
+    assert resumed.off_subspace == whole.off_subspace
+    assert not progress_file.exists()
+
+
+def test_a_progress_file_of_another_run_is_refused(dataset, tmp_path):
+    config = RunConfig(
+        model=MODEL_PRESETS["tiny"],
+        codec=CodecConfig(kind="identity"),
+        train=TrainConfig(steps=4, batch_size=4, seq_len=32, microbatches=1, eval_every=2),
+        n_stages=2,
+    )
+    progress_file = tmp_path / "run.progress.pt"
+    with pytest.raises(_Interrupted):
+        train(config, "cpu", _FailingDataset(dataset, 4), False, eval_batches=1, resume=progress_file)
+    other = dataclasses.replace(config, train=dataclasses.replace(config.train, lr=1e-4))
+    with pytest.raises(ValueError, match="different run"):
+        train(other, "cpu", dataset, False, eval_batches=1, resume=progress_file)

@@ -13,7 +13,8 @@ from tqdm import tqdm
 
 from swarm.core.config import RunConfig
 from swarm.core.device import pick_device
-from swarm.io import model_io
+from swarm.core.subspace import SubspaceRotation
+from swarm.io import checkpoint, model_io
 from swarm.io.data import TokenDataset, ValidationBatches, batch_ids, load_dataset
 from swarm.io.prepared import PreparedDataset
 from swarm.runtime.pipeline import LocalPipeline
@@ -63,21 +64,39 @@ def train(
     progress: bool = True,
     out_dir: str | Path | None = None,
     eval_batches: int = 4,
+    resume: str | Path | None = None,
 ) -> TrainSummary:
     """Train ``config.train.steps`` steps on the run's corpus, evaluating on ``eval_batches``
     validation batches every ``train.eval_every`` steps; with ``out_dir``, write ``summary.json``
-    and the trained model to ``out_dir/model`` (the format a swarm's coordinator exports)."""
+    and the trained model to ``out_dir/model`` (the format a swarm's coordinator exports).
+
+    With ``resume``, the whole run's state is saved to that file at every evaluation and a run
+    started with the file present continues from it, bit for bit as if never interrupted; the
+    file is removed once the run completes."""
     dev = pick_device(device)
     torch.manual_seed(config.train.seed)
     dataset = dataset or load_dataset(config)
     sampler = dataset.sampler(config.train.batch_size, config.train.seq_len, config.train.seed)
     pipe = LocalPipeline(config, device=dev)
-    initial = evaluate(pipe, dataset, config, eval_batches)
-    val_losses = [(0, initial)]
-    losses, tokens, wire, start = [], 0, 0, time.perf_counter()
-    every, eval_seconds = config.train.eval_every, 0.0
-    off_subspace, energy = [], (0.0, 0.0)
-    bar = tqdm(range(config.train.steps), disable=not progress, desc=config.codec.kind, unit="step")
+    progress_file = Path(resume) if resume is not None else None
+    if progress_file is not None and progress_file.exists():
+        record = _load_progress(progress_file, pipe, sampler, config)
+    else:
+        initial = evaluate(pipe, dataset, config, eval_batches)
+        record = Progress(val_losses=[(0, initial)])
+    start = time.perf_counter() - record.seconds
+    every = config.train.eval_every
+    losses, val_losses, off_subspace = record.losses, record.val_losses, record.off_subspace
+    bar = tqdm(
+        range(record.steps, config.train.steps),
+        disable=not progress,
+        desc=config.codec.kind,
+        unit="step",
+        initial=record.steps,
+        total=config.train.steps,
+    )
+    tokens, wire, eval_seconds = record.tokens, record.wire, record.eval_seconds
+    energy = (0.0, 0.0)  # the statistics' lifetime energies: zero at a start and after a restore
     for step in bar:
         result = pipe.train_step(step, batch_ids(*sampler.next_batch()))
         losses.append(result.loss)
@@ -93,6 +112,10 @@ def train(
             fraction, energy = _off_subspace_since(pipe, energy)
             if fraction is not None:
                 off_subspace.append((done, fraction))
+            if progress_file is not None and done < config.train.steps:
+                elapsed = time.perf_counter() - start
+                kept = Progress(done, losses, val_losses, off_subspace, tokens, wire, elapsed, eval_seconds)
+                _save_progress(progress_file, pipe, sampler, config, kept)
     seconds = time.perf_counter() - start - eval_seconds  # training only
     summary = TrainSummary(
         config=config.to_dict(),
@@ -100,7 +123,7 @@ def train(
         steps=config.train.steps,
         tokens=tokens,
         seconds=seconds,
-        initial_val_loss=initial,
+        initial_val_loss=val_losses[0][1],
         final_val_loss=val_losses[-1][1],
         losses=losses,
         val_losses=val_losses,
@@ -113,7 +136,67 @@ def train(
         path.mkdir(parents=True, exist_ok=True)
         (path / "summary.json").write_text(json.dumps(asdict(summary), indent=2))
         model_io.save(model_io.from_workers(pipe.workers, config.train.steps - 1), path / "model")
+    if progress_file is not None:
+        progress_file.unlink(missing_ok=True)
     return summary
+
+
+@dataclass
+class Progress:
+    """A run's bookkeeping after ``steps`` optimizer steps (what :func:`train` resumes with)."""
+
+    steps: int = 0
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    off_subspace: list[tuple[int, float]] = field(default_factory=list)
+    tokens: int = 0
+    wire: float = 0.0
+    seconds: float = 0.0  # wall time since the start, evaluations included
+    eval_seconds: float = 0.0
+
+
+def _save_progress(
+    path: Path, pipe: LocalPipeline, sampler: checkpoint.Sampler, config: RunConfig, record: Progress
+) -> None:
+    """Every stage's state, pending rotations, the sampler and RNG, and ``record``, written atomically."""
+    state = {
+        "config": json.dumps(config.to_dict(), sort_keys=True, default=str),
+        "record": asdict(record),
+        "stages": [
+            checkpoint.capture(w, record.steps - 1, sampler if w.is_first else None) for w in pipe.workers
+        ],
+        "rotations": [
+            None
+            if (r := w.pending_rotation) is None
+            else {"version": r.version, "effective_step": r.effective_step, "basis": r.basis.cpu()}
+            for w in pipe.workers
+        ],
+        "version": pipe.version,
+        "rng": torch.get_rng_state(),
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    partial = path.with_name(path.name + ".tmp")
+    torch.save(state, partial)
+    partial.replace(path)
+
+
+def _load_progress(
+    path: Path, pipe: LocalPipeline, sampler: checkpoint.Sampler, config: RunConfig
+) -> Progress:
+    """Load :func:`_save_progress`'s file into a freshly built pipeline; refuses another run's file."""
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state["config"] != json.dumps(config.to_dict(), sort_keys=True, default=str):
+        raise ValueError(f"{path} holds the progress of a different run; remove it to start afresh")
+    for worker, saved, rotation in zip(pipe.workers, state["stages"], state["rotations"], strict=True):
+        checkpoint.restore(worker, saved, sampler if worker.is_first else None)
+        if rotation is not None:
+            worker.schedule_rotation(SubspaceRotation(**rotation))
+    pipe.version = state["version"]
+    torch.set_rng_state(state["rng"])
+    record = state["record"]
+    for name in ("val_losses", "off_subspace"):
+        record[name] = [tuple(x) for x in record[name]]
+    return Progress(**record)
 
 
 def _off_subspace_since(
