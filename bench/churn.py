@@ -39,18 +39,24 @@ class ChurnPlan:
     dead_after_s: float = 4.0
     link_latency_ms: float = 10.0
     replicas: tuple[int, ...] = (1,)
+    # snapshot keepers per cut (the coordinator's --snapshot-keepers) compared with one host per
+    # stage; the first is the one every other run uses (0: the snapshots go to the coordinator)
+    keepers: tuple[int, ...] = (1,)
     lost_stage: tuple[str, ...] = ("rollback", "rebuild")  # checkpoint.lost_stage policies compared
     lost_stage_after_s: float = 60.0  # when a middle stage and its keepers are lost (lost_stage section)
 
 
 def run(p: ChurnPlan) -> list[dict]:
-    """Per replica count: the run undisturbed, then under a kill every ``kill_every_s`` seconds."""
+    """Per replica count (and, with one host per stage, per keeper count): the run undisturbed,
+    then under a kill every ``kill_every_s`` seconds."""
     rows = []
+    label = f"kill -9 every {p.kill_every_s:.0f} s"
     for replicas in p.replicas:
-        calm = _run(p, replicas, "none", None)
-        # the monkey's clock starts now, with the run it disturbs
-        churned = _run(p, replicas, f"kill -9 every {p.kill_every_s:.0f} s", ChaosMonkey(p.kill_every_s))
-        rows += _retained([calm, churned])
+        for keepers in p.keepers if replicas == 1 else p.keepers[:1]:
+            calm = _run(p, replicas, "none", None, keepers=keepers)
+            # the monkey's clock starts now, with the run it disturbs
+            churned = _run(p, replicas, label, ChaosMonkey(p.kill_every_s), keepers=keepers)
+            rows += _retained([calm, churned])
     return rows
 
 
@@ -61,14 +67,21 @@ def lost_stage(p: ChurnPlan) -> list[dict]:
     rows = [_run(p, 1, "none", None)]
     for policy in p.lost_stage:
         chaos = ChaosMonkey(p.lost_stage_after_s, scope="stage", events=1)
-        rows.append(_run(p, 1, label, chaos, policy) | {"lost_stage": policy})
+        rows.append(_run(p, 1, label, chaos, policy=policy) | {"lost_stage": policy})
     return _retained(rows)
 
 
 def _run(
-    p: ChurnPlan, replicas: int, label: str, chaos: ChaosMonkey | None, policy: str = "rollback"
+    p: ChurnPlan,
+    replicas: int,
+    label: str,
+    chaos: ChaosMonkey | None,
+    policy: str = "rollback",
+    keepers: int | None = None,
 ) -> dict:
-    """One local swarm run of the plan's model under ``chaos`` (None: undisturbed)."""
+    """One local swarm run of the plan's model under ``chaos`` (None: undisturbed), with ``keepers``
+    snapshot keepers per cut (None: the plan's first)."""
+    keepers = p.keepers[0] if keepers is None else keepers
     config = RunConfig(
         model=p.model,
         train=dataclasses.replace(p.train, replicas=replicas),
@@ -87,10 +100,12 @@ def _run(
             timeout=1800,
             chaos=chaos,
             use_dht=replicas > 1,  # replicas average over the DHT's P2P (loopback, no port mapping)
+            snapshot_keepers=keepers,
         )
     summary = s.chaos or {"kills": 0, "recovered": 0}
     return {
         "replicas": replicas,
+        "keepers": keepers,
         "churn": label,
         "final_loss": s.losses[-1] if s.losses else None,
         "steps": s.steps,

@@ -263,6 +263,7 @@ def _churn_table(rows: list[dict]) -> list[str]:
             rows,
             [
                 ("replicas", "replicas", ""),
+                ("keepers", "keepers", ""),
                 ("churn", "churn", ""),
                 ("lost stage", "lost_stage", ""),
                 ("tokens/s", "tokens_per_s", ".0f"),

@@ -200,6 +200,7 @@ def plan(quick: bool) -> BenchPlan:
             kill_every_s=20,
             checkpoint_interval=10,
             replicas=(1, 2),
+            keepers=(1, 0),  # the keepers' cost, side by side with uploads to the coordinator
         ),
         multihost=multihost.MultiHostPlan(
             small, TrainConfig(steps=20, batch_size=8, seq_len=128, microbatches=2), mbps=100

@@ -218,6 +218,7 @@ def serve_command(
     use_dht: bool = True,
     security: Sequence[str] = (),
     relay_port: int | None = None,
+    snapshot_keepers: int | None = None,
 ) -> list[str]:
     """A ``swarm-coordinator serve`` command line: the arguments after ``python -m swarm.coordinator.cli``
     (what :func:`main` takes). ``None`` leaves a flag at its default; ``security``: transport flags
@@ -231,6 +232,7 @@ def serve_command(
         "--metrics-port": metrics_port,
         "--dead-after": dead_after,
         "--relay-port": relay_port,
+        "--snapshot-keepers": snapshot_keepers,
     }
     return command_line("serve", options, use_dht, security)
 

@@ -186,6 +186,7 @@ def up(
     dial_only: int = 0,
     relay: bool = False,
     connect_timeout: float | None = None,
+    snapshot_keepers: int | None = None,
 ) -> SwarmSummary:
     """Run ``config`` on a local swarm; returns when every node has finished (or raises).
 
@@ -202,6 +203,7 @@ def up(
     stream (``--listen ''``, as behind NAT); ``relay``: the coordinator runs a relay for the links
     between such nodes (``--relay-port``). ``connect_timeout``: how long a node waits for a
     boundary stream to open before its epoch fails (None: the node's default).
+    ``snapshot_keepers``: the coordinator's ``--snapshot-keepers`` (None: its default).
     """
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -215,7 +217,7 @@ def up(
     restore_sigterm = _sigterm_exits()
     try:
         address = _start_coordinator(
-            launch, config, coordinator_prefix or [], coordinator_host, dead_after, relay
+            launch, config, coordinator_prefix or [], coordinator_host, dead_after, relay, snapshot_keepers
         )
         status_address = address
         if coordinator_prefix:
@@ -308,6 +310,7 @@ def _start_coordinator(
     host: str | None,
     dead_after: float,
     relay: bool = False,
+    snapshot_keepers: int | None = None,
 ) -> str:
     """Serve ``config`` from a fresh state file behind ``prefix``; the gRPC address once it listens."""
     from swarm.coordinator.cli import serve_command  # not at import: the relay process has no torch
@@ -325,6 +328,7 @@ def _start_coordinator(
         use_dht=launch.use_dht,
         security=launch.flags("coordinator"),
         relay_port=0 if relay else None,
+        snapshot_keepers=snapshot_keepers,
     )
     proc, lines = launch.start("coordinator", [*prefix, *_python_m("swarm.coordinator.cli"), *args], True)
     return wait_for_line(lines, LISTENING, proc, 60).group(1)
