@@ -1,6 +1,6 @@
 """Verification: how often sampled recomputation catches a stage that computes wrong, and what it costs.
 
-A pipeline trains on this machine with one stage lying (:mod:`bench.faults`: sign flip, noise of the
+A pipeline trains on this machine with one stage lying (:mod:`swarm.runtime.faults`: sign flip, noise of the
 same norm, weights a step old, a skipped layer) on every microbatch; an auditor holding that stage's
 weights at each step's version recomputes every microbatch (:mod:`swarm.runtime.audit`) and
 compares with the tolerance for the pair of precisions. That gives, per fault mode, ``q``: the share
@@ -20,10 +20,11 @@ import random
 import time
 from dataclasses import dataclass
 
-from bench.faults import MODES, Auditor, Fault, Recorder
+from bench.faults import Auditor, Recorder
 from swarm.core.config import CodecConfig, DataConfig, ModelConfig, RunConfig, TrainConfig
 from swarm.io.data import batch_ids, load_dataset
 from swarm.runtime.audit import TOLERANCES, drawn
+from swarm.runtime.faults import MODES, Fault
 from swarm.runtime.pipeline import LocalPipeline
 
 

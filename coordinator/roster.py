@@ -8,6 +8,7 @@ of membership means for the plan is :class:`~swarm.coordinator.planner.Planner`'
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 
@@ -42,6 +43,8 @@ class Roster:
         self.last_stages: dict[str, list[int]] = {}  # what each node hosted last
         self.averaging: dict[str, str] = {}  # node id -> its P2P multiaddr for replica averaging
         self.capacity: dict[str, float] = {}  # node id -> tokens/s of busy time, as it last reported
+        # node id -> activation frames it sent that a downstream screen flagged (swarm.runtime.screen)
+        self.drifted: collections.Counter[str] = collections.Counter()
         # node id -> the party it is in accusations: its join token when that token is its own
         # (`token create`), else itself (nodes sharing the operator's token cannot be linked)
         self.party: dict[str, str] = {}
@@ -177,6 +180,7 @@ class Roster:
                     left=n.id in self.left,
                     last_stages=n.stages or self.last_stages.get(n.id, []),
                     reachable=n.reachable,
+                    drifted_frames=self.drifted[n.id],
                 )
             )
         return nodes

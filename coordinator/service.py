@@ -53,6 +53,7 @@ from swarm.coordinator.progress import Progress
 from swarm.coordinator.relays import Relay, RelayPool
 from swarm.coordinator.roster import Roster
 from swarm.coordinator.rotation_hub import RotationHub
+from swarm.coordinator.screen_reports import ScreenReports
 from swarm.coordinator.sessions import Sessions
 from swarm.coordinator.settings import CoordinatorSettings
 from swarm.coordinator.state import CheckpointRecord, CoordinatorState, NodeRecord, SavedStatistic
@@ -118,6 +119,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         key = run.auth_token.encode()
         self.keepers = Keepers(settings.snapshot_keepers, key, self.state, self.roster, metrics)
         self.ledger = Ledger(config, run, self.state, store, self.keepers, metrics)
+        self.screen = ScreenReports(self.roster, metrics)
         self.rotation = RotationHub(config, basis, self.state, metrics)
         self.progress = Progress(config, self.state, metrics, self.roster, self.ledger, self.rotation)
         self.relays = RelayPool([Relay(a, a) for a in settings.relays])
@@ -512,6 +514,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         except Rejected as e:
             await self.gate.refuse(context, e)
         self.progress.record(request)
+        if request.drifted_frames:
+            self.screen.add(request)
+        if self.screen.pending:
+            self.screen.settle(self.progress.timeline)
         return coordinator_pb2.StepAck()
 
     # -- rotations and status -----------------------------------------------------------------

@@ -23,6 +23,7 @@ from swarm.net import join_token, tls
 from swarm.net.shaper import LinkProfile
 from swarm.ops import logs
 from swarm.ops.logs import say
+from swarm.runtime.faults import FaultSpec
 from swarm.serve.inference import BOUNDARIES, FORMATS
 
 
@@ -98,6 +99,7 @@ def build_parser() -> argparse.ArgumentParser:
         "metrics host default)",
     )
     p.add_argument("--name", default="", help="node name shown in status")
+    p.add_argument("--fault", type=FaultSpec.parse, help=argparse.SUPPRESS)  # tests: MODE[:FRACTION][@AFTER]
     tls.add_arguments(p)
     p.add_argument("--log-format", choices=logs.FORMATS, default="text", help="text lines or JSON lines")
     defaults = Timeouts()
@@ -298,6 +300,7 @@ def main(argv: list[str] | None = None) -> int:
         snapshot_share=min(max(0.0, args.snapshot_share), 1.0),
         snapshot_chunk_bytes=min(max(1, args.snapshot_chunk_kb) << 10, MAX_CHUNK_BYTES),
         security=security,
+        fault=args.fault,
         timeouts=dataclasses.replace(
             Timeouts(),
             connect_s=args.connect_timeout,

@@ -406,6 +406,7 @@ class NodeDaemon:
             self.settings.timeouts,
             averaging_for,
             self.own_states,
+            self.settings.fault,
         )
         await host.build()
         links = LinkManager(

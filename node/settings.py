@@ -14,6 +14,7 @@ from swarm.io.manifest import CHUNK_BYTES
 from swarm.net.channel import KeepAlive
 from swarm.net.shaper import LinkProfile
 from swarm.net.tls import INSECURE, Security
+from swarm.runtime.faults import FaultSpec
 
 
 @dataclass(frozen=True)
@@ -60,4 +61,5 @@ class NodeSettings:
     snapshot_share: float = 0.5  # else this share of the uplink measured on boundary streams (0: none)
     snapshot_chunk_bytes: int = CHUNK_BYTES  # chunk size of the snapshots it takes
     timeouts: Timeouts = field(default_factory=Timeouts)
+    fault: FaultSpec | None = None  # tests and the verification bench only: lie on purpose
     security: Security = INSECURE  # TLS of the coordinator channel, the Stage server and its streams

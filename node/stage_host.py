@@ -37,6 +37,7 @@ from swarm.io.data import TokenDataset, batch_ids
 from swarm.io.prepared import PreparedDataset
 from swarm.ops.logs import say
 from swarm.ops.metrics import Metrics
+from swarm.runtime.faults import FaultSpec
 from swarm.runtime.norm_guard import NormBound
 from swarm.runtime.replicas import Routes
 from swarm.runtime.worker import StageWorker
@@ -81,12 +82,13 @@ class StageHost:
         timeouts: Timeouts,
         averaging_for: AveragingFactory | None = None,
         own: OwnStates | None = None,
+        fault: FaultSpec | None = None,
     ):
         self.config, self.plan, self.fixed, self.device = config, plan, fixed, device
         self.own = own  # this node's states after its latest steps (runs with replicas)
         self.client, self.checkpointer, self.fetcher, self.metrics = client, checkpointer, fetcher, metrics
         self.dataset, self.timeouts = dataset, timeouts
-        self.averaging_for = averaging_for
+        self.averaging_for, self.fault = averaging_for, fault
         self.node_id = client.node_id
         # the stages this node leads (the first replica): it reports their steps, statistics, snapshots
         self.leads = {e.stage for e in plan.replicas if e.replicas and e.replicas[0].node_id == self.node_id}
@@ -168,6 +170,9 @@ class StageHost:
                     # Replicas sum what each accumulated toward the next rotation: the lead's snapshot
                     # holds its share, which the lead itself brings; this replica starts from none.
                     worker.statistic.reset()
+            if self.fault is not None:  # tests only: this node lies from here on
+                self.fault.attach(worker, seed=s)
+                say(f"stage {s}: FAULTY on purpose ({self.fault})")
             rotation_ready = self._rotation_ready(worker) if self.rotating else None
             batches = self._batches(sampler) if sampler is not None else None
             replicas = self.plan.replicas[s]
@@ -295,6 +300,12 @@ class StageHost:
         return self.rotating and (step + 1) % self.config.rotation.interval == 0
 
     def _report(self, epoch: int, outcome: StepOutcome) -> None:
+        drifted = outcome.stats.drifted_frames
+        if drifted:
+            say(
+                f"step {outcome.step}: the screen flagged {drifted} received activation frames "
+                f"({outcome.stats.drift})"
+            )
         if outcome.stage not in self.leads:  # the lead reports the stage's totals; this, how far it got
             progress = cpb.StepReport(
                 plan_epoch=epoch,
@@ -302,6 +313,8 @@ class StageHost:
                 stage=outcome.stage,
                 step=outcome.step,
                 progress_only=True,
+                drifted_frames=drifted,
+                drift=outcome.stats.drift,
             )
             self.client.report("ReportStep", progress)
             return
@@ -315,6 +328,8 @@ class StageHost:
             bytes_sent_forward=outcome.wire_bytes_forward,
             bytes_sent_backward=outcome.wire_bytes_backward,
             wall_seconds=outcome.seconds,
+            drifted_frames=drifted,
+            drift=s.drift,
         )
         if s.loss_count:
             request.loss = s.loss_sum / s.loss_count

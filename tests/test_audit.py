@@ -9,7 +9,7 @@ import os
 import pytest
 import torch
 
-from bench.faults import MODES, Auditor, Fault, Recorder
+from bench.faults import Auditor, Recorder
 from swarm.core.config import MODEL_PRESETS, CodecConfig, DataConfig, RunConfig, TrainConfig
 from swarm.io.data import batch_ids, load_dataset
 from swarm.runtime.audit import (
@@ -22,6 +22,7 @@ from swarm.runtime.audit import (
     recompute,
     tensor_payload,
 )
+from swarm.runtime.faults import MODES, Fault
 from swarm.runtime.pipeline import LocalPipeline
 
 

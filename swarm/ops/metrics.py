@@ -222,6 +222,13 @@ class Metrics:
             "(checkpoint.lost_stage = 'rebuild')",
             registry=r,
         )
+        self.screen_drifted_frames = Counter(
+            "swarm_screen_drifted_frames",
+            "Activation frames a downstream screen flagged as drifting from their moving statistics, "
+            "by sending stage (evidence for an audit; never an eviction on its own)",
+            ["stage"],
+            registry=r,
+        )
         self.unreachable_joins = Counter(
             "swarm_unreachable_joins",
             "Joins placed as dial-only: no address announced (no_address), or the coordinator could not "

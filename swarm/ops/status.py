@@ -97,6 +97,7 @@ def status_document(reply: cpb.StatusReply) -> dict:
                 "plan_epoch": n.plan_epoch,
                 "device": n.device,
                 "inbound": inbound(n),
+                "drifted_frames": n.drifted_frames,
             }
             for n in reply.nodes
         ],
@@ -122,6 +123,12 @@ def render(reply: cpb.StatusReply, coordinator: str) -> str:
         *([f"  {doc['snapshot_holding']}"] if doc["snapshot_holding"] else []),
         *(f"  bad snapshot holder: {line}" for line in doc["bad_holders"]),
         *(f"  {line}" for line in doc["rebuilt_stages"]),
+        *(
+            f"  screen: {n['drifted_frames']} activation frames from node {n['node']} ({n['name']}) "
+            "drifted from their moving statistics"
+            for n in doc["nodes"]
+            if n["drifted_frames"]
+        ),
         "",
     ]
     header = ("node", "name", "state", "phase", "stages", "inbound", "step", "tok/s", "heartbeat", "subspace")

@@ -30,6 +30,7 @@ from swarm.core.subspace import BoundaryStatistic, SubspaceRotation, rotate_stag
 from swarm.runtime.emulation import EmulatedStage
 from swarm.runtime.norm_guard import NormBound, NormGuard
 from swarm.runtime.outer_step import OuterStep
+from swarm.runtime.screen import ActivationScreen
 from swarm.runtime.wire import ActivationFrame, CarriedActivation, CarriedGradient, GradientFrame
 
 
@@ -62,6 +63,8 @@ class StageStats:
     loss_count: int = 0
     grad_norm: float = 0.0
     off_subspace_fraction: float | None = None
+    drifted_frames: int = 0  # received activation frames the screen flagged (swarm.runtime.screen)
+    drift: str = ""  # why the last of them was flagged
 
 
 class StageWorker:
@@ -90,6 +93,8 @@ class StageWorker:
             if norm_bound
             else None
         )
+        # Received activations are screened against their moving statistics (flags, never refusals).
+        self.activation_screen = ActivationScreen() if norm_bound and index > 0 else None
         self.device, self.dtype = torch.device(device), dtype
         check_master_dtype(config.train.precision, dtype)
         start, end = stage_layer_ranges(config.model.n_layers, config.n_stages)[index]
@@ -189,6 +194,9 @@ class StageWorker:
             z, ids = self.inbound.decode_activation(source, self.version, self.device, self.dtype)
             if self.activation_guard is not None and train:
                 self.activation_guard.check(z)
+            # (not while a MAPL sender's PCA warm-up may still re-initialise its projection)
+            if self.activation_screen is not None and train and step > self.config.codec.mapl_pca_steps:
+                self._screen(z, microbatch)
             received = z.requires_grad_(train)
             x_in = self.inbound.map.lift(received, ids[:, :-1])
             if self.statistic is not None and train:
@@ -208,6 +216,12 @@ class StageWorker:
         if self.is_last:
             return loss.item()
         return frame
+
+    def _screen(self, z: torch.Tensor, microbatch: int) -> None:
+        drift = self.activation_screen.observe(z)
+        if drift is not None:
+            self.stats.drifted_frames += 1
+            self.stats.drift = f"microbatch {microbatch}: {drift}"
 
     def _check_new_microbatch(self, step: int, microbatch: int) -> None:
         """A replayed microbatch (already forwarded this step) or one outside the step is refused."""

@@ -387,7 +387,7 @@ class StatisticsAck(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("plan_epoch", "node_id", "stage", "step", "loss", "tokens", "bytes_sent_forward", "bytes_sent_backward", "wall_seconds", "progress_only")
+    __slots__ = ("plan_epoch", "node_id", "stage", "step", "loss", "tokens", "bytes_sent_forward", "bytes_sent_backward", "wall_seconds", "progress_only", "drifted_frames", "drift")
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -398,6 +398,8 @@ class StepReport(_message.Message):
     BYTES_SENT_BACKWARD_FIELD_NUMBER: _ClassVar[int]
     WALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     PROGRESS_ONLY_FIELD_NUMBER: _ClassVar[int]
+    DRIFTED_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    DRIFT_FIELD_NUMBER: _ClassVar[int]
     plan_epoch: int
     node_id: str
     stage: int
@@ -408,7 +410,9 @@ class StepReport(_message.Message):
     bytes_sent_backward: int
     wall_seconds: float
     progress_only: bool
-    def __init__(self, plan_epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ..., progress_only: _Optional[bool] = ...) -> None: ...
+    drifted_frames: int
+    drift: str
+    def __init__(self, plan_epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ..., progress_only: _Optional[bool] = ..., drifted_frames: _Optional[int] = ..., drift: _Optional[str] = ...) -> None: ...
 
 class StepAck(_message.Message):
     __slots__ = ()
@@ -439,7 +443,7 @@ class StepSummary(_message.Message):
     def __init__(self, step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ..., completed_at: _Optional[float] = ...) -> None: ...
 
 class NodeStatus(_message.Message):
-    __slots__ = ("node_id", "node_name", "address", "stages", "last_heartbeat_age_s", "alive", "device", "phase", "plan_epoch", "step", "tokens_per_second", "subspace_version", "left", "last_stages", "reachable")
+    __slots__ = ("node_id", "node_name", "address", "stages", "last_heartbeat_age_s", "alive", "device", "phase", "plan_epoch", "step", "tokens_per_second", "subspace_version", "left", "last_stages", "reachable", "drifted_frames")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     NODE_NAME_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -455,6 +459,7 @@ class NodeStatus(_message.Message):
     LEFT_FIELD_NUMBER: _ClassVar[int]
     LAST_STAGES_FIELD_NUMBER: _ClassVar[int]
     REACHABLE_FIELD_NUMBER: _ClassVar[int]
+    DRIFTED_FRAMES_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     node_name: str
     address: str
@@ -470,7 +475,8 @@ class NodeStatus(_message.Message):
     left: bool
     last_stages: _containers.RepeatedScalarFieldContainer[int]
     reachable: bool
-    def __init__(self, node_id: _Optional[str] = ..., node_name: _Optional[str] = ..., address: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., last_heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., device: _Optional[str] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., left: _Optional[bool] = ..., last_stages: _Optional[_Iterable[int]] = ..., reachable: _Optional[bool] = ...) -> None: ...
+    drifted_frames: int
+    def __init__(self, node_id: _Optional[str] = ..., node_name: _Optional[str] = ..., address: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., last_heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., device: _Optional[str] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., left: _Optional[bool] = ..., last_stages: _Optional[_Iterable[int]] = ..., reachable: _Optional[bool] = ..., drifted_frames: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
     __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps", "plan_epoch", "resume_step", "latest_cut", "run_complete", "epochs_restarted", "rates", "plan_problems", "relayed_links", "snapshot_holding", "bad_holders", "rebuilt_stages")

@@ -1,0 +1,58 @@
+"""Flags from the stages' activation screens (:mod:`swarm.runtime.screen`), attributed to senders.
+
+A lie changes what every later stage computes, so when a stage's host starts lying the screens of
+the stages below it may all flag the same step. The flags of a step are therefore attributed once
+the step completes, to the hosts of the stage upstream of the *first* flagged boundary only (every
+host of that stage: replicas are not told apart); the others are logged as explained by it. A flag
+is evidence, counted in ``swarm status`` and ``swarm_screen_drifted_frames_total``; it evicts no one.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from swarm.coordinator.roster import Roster
+
+from swarm._proto.swarm.v1 import coordinator_pb2
+from swarm.ops.metrics import Metrics
+
+log = logging.getLogger("swarm.coordinator")
+
+
+class ScreenReports:
+    """The flagged frames of steps not yet complete, and their attribution once they are."""
+
+    def __init__(self, roster: Roster, metrics: Metrics):
+        self.roster, self.metrics = roster, metrics
+        self.pending: dict[int, dict[int, tuple[int, str, str]]] = {}  # step -> receiving stage -> flags
+
+    def add(self, report: coordinator_pb2.StepReport) -> None:
+        """A stage's report of ``report.drifted_frames`` flagged frames (replicas' reports add up)."""
+        by_stage = self.pending.setdefault(report.step, {})
+        frames, _, _ = by_stage.get(report.stage, (0, "", ""))
+        by_stage[report.stage] = (frames + report.drifted_frames, report.drift, report.node_id)
+
+    def settle(self, completed: int) -> None:
+        """Attribute the flags of every step up to ``completed`` (the last step every stage finished
+        in this epoch)."""
+        for step in sorted(s for s in self.pending if s <= completed):
+            by_stage = self.pending.pop(step)
+            stage = min(by_stage)
+            frames, drift, reporter = by_stage[stage]
+            sender = stage - 1
+            hosts = self.roster.owners()[sender] if 0 <= sender < self.roster.n_stages else ()
+            for node_id in hosts:
+                self.roster.drifted[node_id] += frames
+            self.metrics.screen_drifted_frames.labels(stage=str(sender)).inc(frames)
+            later = sorted(set(by_stage) - {stage})
+            log.warning(
+                "screen: step %d: node %s (stage %d) flagged %d activation frames from stage %d (%s)%s: %s",
+                step,
+                reporter[:8],
+                stage,
+                frames,
+                sender,
+                ", ".join(h[:8] for h in hosts) or "no host now",
+                f"; stages {later} flagged after it (its lie reached them)" if later else "",
+                drift[:200],
+            )
