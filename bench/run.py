@@ -423,6 +423,9 @@ def _multihost(p: BenchPlan) -> list[dict] | dict:
     return _needs_netns(lambda: multihost.run(p.multihost, codecs))
 
 
+REPORT_HEAD = ("wire", "overhead", "convergence", "throughput")  # sections the report always shows
+
+
 def main(
     quick: bool,
     out: str | Path,
@@ -432,7 +435,9 @@ def main(
 ) -> dict:
     """Run every section, saving ``results.json`` after each; ``resume`` keeps sections already saved
     by an interrupted run of the same plan; ``only`` reruns just the named sections and keeps the
-    others of the saved results; ``compute_profile`` replaces the paper-scale section's profile."""
+    others of the saved results (with none saved yet, runs just those: wire, overhead, convergence
+    and throughput must be among them, the report starts with them); ``compute_profile`` replaces
+    the paper-scale section's profile."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     p = plan(quick)
@@ -445,13 +450,14 @@ def main(
     unknown = set(only or ()) - set(available)
     if unknown:
         raise ValueError(f"unknown benchmark sections {sorted(unknown)}; choose from {list(available)}")
-    if only and not saved.exists():
-        raise ValueError(f"--only reruns sections of an earlier run: no {saved} yet (run them all first)")
+    missing = [name for name in REPORT_HEAD if name not in (only or available)]
+    if only and not saved.exists() and missing:
+        raise ValueError(f"--only {','.join(only)} with no {saved} yet: the report needs {missing} too")
     if (resume or only) and saved.exists():
         previous = json.loads(saved.read_text())
         if only or previous.get("plan") == current_plan:
             results = previous | {"plan": current_plan}
-    if only:  # which sections are newer than the run the header describes, and where they ran
+    if only and saved.exists():  # the sections newer than the run the header describes, and where they ran
         rerun = results.setdefault("rerun", {"sections": {}})
         now = machine()
         rerun |= {"platform": now["platform"], "cpu_count": now["cpu_count"]}

@@ -544,7 +544,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--resume", action="store_true", help="keep the sections an interrupted run already saved")
     p.add_argument(
-        "--only", help="comma-separated sections to rerun (e.g. paper_scale); the others are kept from --out"
+        "--only",
+        help="comma-separated sections to rerun (e.g. paper_scale); the others are kept from --out "
+        "(with no results there yet, only these run: include wire,overhead,convergence,throughput)",
     )
     p.add_argument(
         "--compute-profile",
