@@ -24,19 +24,20 @@ class ScreenReports:
 
     def __init__(self, roster: Roster, metrics: Metrics):
         self.roster, self.metrics = roster, metrics
-        self.pending: dict[int, dict[int, tuple[int, str, str]]] = {}  # step -> receiving stage -> flags
+        # (plan epoch, step) -> receiving stage -> (flagged frames, why, reporting node)
+        self.pending: dict[tuple[int, int], dict[int, tuple[int, str, str]]] = {}
 
     def add(self, report: coordinator_pb2.StepReport) -> None:
         """A stage's report of ``report.drifted_frames`` flagged frames (replicas' reports add up)."""
-        by_stage = self.pending.setdefault(report.step, {})
+        by_stage = self.pending.setdefault((report.plan_epoch, report.step), {})
         frames, _, _ = by_stage.get(report.stage, (0, "", ""))
         by_stage[report.stage] = (frames + report.drifted_frames, report.drift, report.node_id)
 
-    def settle(self, completed: int) -> None:
-        """Attribute the flags of every step up to ``completed`` (the last step every stage finished
-        in this epoch)."""
-        for step in sorted(s for s in self.pending if s <= completed):
-            by_stage = self.pending.pop(step)
+    def settle(self, epoch: int, completed: int) -> None:
+        """Attribute the flags of every step of ``epoch`` up to ``completed`` (the last step every
+        stage finished in it) and those of earlier epochs (their steps will not complete: as they are)."""
+        for key in sorted(k for k in self.pending if k[0] < epoch or k[1] <= completed):
+            step, by_stage = key[1], self.pending.pop(key)
             stage = min(by_stage)
             frames, drift, reporter = by_stage[stage]
             sender = stage - 1

@@ -517,7 +517,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if request.drifted_frames:
             self.screen.add(request)
         if self.screen.pending:
-            self.screen.settle(self.progress.timeline)
+            self.screen.settle(self.ledger.plan_epoch, self.progress.timeline)
         return coordinator_pb2.StepAck()
 
     # -- rotations and status -----------------------------------------------------------------
