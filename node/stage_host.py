@@ -37,7 +37,7 @@ from swarm.io.data import TokenDataset, batch_ids
 from swarm.io.prepared import PreparedDataset
 from swarm.ops.logs import say
 from swarm.ops.metrics import Metrics
-from swarm.runtime.faults import FaultSpec
+from swarm.runtime.faults import Fault, FaultSpec
 from swarm.runtime.norm_guard import NormBound
 from swarm.runtime.replicas import Routes
 from swarm.runtime.worker import StageWorker
@@ -89,6 +89,7 @@ class StageHost:
         self.client, self.checkpointer, self.fetcher, self.metrics = client, checkpointer, fetcher, metrics
         self.dataset, self.timeouts = dataset, timeouts
         self.averaging_for, self.fault = averaging_for, fault
+        self.faults: dict[int, Fault] = {}  # tests only: the lies this node's stages tell (``fault``)
         self.node_id = client.node_id
         # the stages this node leads (the first replica): it reports their steps, statistics, snapshots
         self.leads = {e.stage for e in plan.replicas if e.replicas and e.replicas[0].node_id == self.node_id}
@@ -171,7 +172,7 @@ class StageHost:
                     # holds its share, which the lead itself brings; this replica starts from none.
                     worker.statistic.reset()
             if self.fault is not None:  # tests only: this node lies from here on
-                self.fault.attach(worker, seed=s)
+                self.faults[s] = self.fault.attach(worker, seed=s)
                 say(f"stage {s}: FAULTY on purpose ({self.fault})")
             rotation_ready = self._rotation_ready(worker) if self.rotating else None
             batches = self._batches(sampler) if sampler is not None else None
@@ -245,6 +246,8 @@ class StageHost:
                     return False
             mark = 0 in self.runners and take_cut_request()
             results = await asyncio.gather(*(r.run_step(step, mark) for r in self.runners.values()))
+            for fault in self.faults.values():  # (a stale liar's copy follows the weights, lagging)
+                fault.stepped()
             states, pause = None, 0.0
             if self.own is not None:
                 # Kept before the step is reported, with no await in between: an epoch that resumes

@@ -20,7 +20,6 @@ import torch
 from swarm.runtime.worker import StageWorker
 
 MODES = ("sign", "noise", "stale", "skip")
-NODE_MODES = ("sign", "noise", "skip")  # stale needs the optimizer loop's help (Fault.stepped)
 
 
 def _replace(out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -84,7 +83,7 @@ class Fault:
 
 @dataclass(frozen=True)
 class FaultSpec:
-    """``MODE[:FRACTION][@AFTER]``: lie in ``MODE`` (:data:`NODE_MODES`) on ``FRACTION`` of the
+    """``MODE[:FRACTION][@AFTER]``: lie in ``MODE`` (:data:`MODES`) on ``FRACTION`` of the
     microbatches (default all) once ``AFTER`` microbatches of an epoch were forwarded honestly."""
 
     mode: str
@@ -95,8 +94,8 @@ class FaultSpec:
     def parse(cls, text: str) -> FaultSpec:
         head, _, after = text.partition("@")
         mode, _, fraction = head.partition(":")
-        if mode not in NODE_MODES:
-            raise ValueError(f"--fault mode {mode!r} must be one of {NODE_MODES}")
+        if mode not in MODES:
+            raise ValueError(f"--fault mode {mode!r} must be one of {MODES}")
         try:
             spec = cls(mode, float(fraction) if fraction else 1.0, int(after) if after else 0)
         except ValueError:
