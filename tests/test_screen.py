@@ -2,9 +2,10 @@
 
 Unit: the moving statistics of honest frames of a trained pipeline stay within the screen's bounds,
 and a sign flip or noise of the same norm is flagged on every frame. Live: real processes on
-loopback, a three-stage swarm whose stage-0 host flips the sign of its activations (or, in the slow
-suite, sends noise of the same norm) from a given microbatch on (the hidden ``--fault`` flag); the coordinator counts the flagged frames against that
-node alone, shows them in ``swarm status`` and lets the run finish (a screen never evicts).
+loopback, a three-stage swarm whose stage-0 host flips the sign of its activations (or, in the
+slow suite, sends noise of the same norm) from a given microbatch on (the hidden ``--fault``
+flag); the coordinator counts the flagged frames against that node alone, shows them in
+``swarm status`` and lets the run finish (a screen never evicts).
 """
 
 from __future__ import annotations
