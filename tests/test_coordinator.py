@@ -1167,3 +1167,30 @@ def test_a_rejoining_offender_with_its_own_token_is_the_same_party(tmp_path):
             assert h.sample("swarm_evictions_total", {"reason": "accuser"}) == 1
 
     run(scenario())
+
+
+def test_screen_flags_of_a_step_count_against_the_hosts_above_the_first_flagged_boundary(tmp_path):
+    """Stages 1 and 2 both flag step 0 (a lie at stage 0 reaches both screens): once the step
+    completes, the frames count against stage 0's host only; flags never evict anyone."""
+    config = tiny_config(n_stages=3)
+
+    async def flagged(h: Harness, node_id: str, stage: int, step: int, epoch: int, frames: int) -> None:
+        request = coordinator_pb2.StepReport(
+            node_id=node_id, stage=stage, step=step, plan_epoch=epoch, drifted_frames=frames, drift="why"
+        )
+        await h.stub.ReportStep(request, timeout=RPC_TIMEOUT)
+
+    async def scenario() -> None:
+        async with coordinator(tmp_path / "state.sqlite", config) as h:
+            a, b, c = [await h.join(name, address=f"127.0.0.1:{7001 + i}") for i, name in enumerate("abc")]
+            epoch = c.plan.epoch
+            await flagged(h, c.node_id, 2, 0, epoch, 3)
+            await flagged(h, b.node_id, 1, 0, epoch, 2)
+            assert h.service.screen.pending  # stage 0 has not reported step 0: not attributed yet
+            await h.step(a.node_id, 0, 0, epoch)
+            drifted = {n.node_name: n.drifted_frames for n in (await h.status()).nodes}
+            assert drifted == {"a": 2, "b": 0, "c": 0} and not h.service.screen.pending
+            assert h.sample("swarm_screen_drifted_frames_total", {"stage": "0"}) == 2
+            assert all(n.alive for n in (await h.status()).nodes)
+
+    run(scenario())
