@@ -42,6 +42,7 @@ from pathlib import Path
 import grpc
 from swarm.coordinator.artifacts import Artifacts
 from swarm.coordinator.bulletin import MAX_HOLD_MS
+from swarm.coordinator.commitments import CommitmentChecks
 from swarm.coordinator.errors import Rejected
 from swarm.coordinator.export import artifact_store, default_model_dir
 from swarm.coordinator.gate import Gate, admit_operator_token
@@ -120,6 +121,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         self.keepers = Keepers(settings.snapshot_keepers, key, self.state, self.roster, metrics)
         self.ledger = Ledger(config, run, self.state, store, self.keepers, metrics)
         self.screen = ScreenReports(self.roster, metrics)
+        self.commitments = CommitmentChecks(config.train.microbatches, metrics)
         self.rotation = RotationHub(config, basis, self.state, metrics)
         self.progress = Progress(config, self.state, metrics, self.roster, self.ledger, self.rotation)
         self.relays = RelayPool([Relay(a, a) for a in settings.relays])
@@ -199,6 +201,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         reply.snapshot_holding = self.keepers.holding()
         reply.bad_holders.extend(self.keepers.bad)
         reply.rebuilt_stages.extend(self.ledger.rebuilt_lines())
+        reply.commitment_checks = self.commitments.checks
+        reply.commitment_mismatches.extend(self.commitments.mismatches)
         return reply
 
     # -- membership ---------------------------------------------------------------------------
@@ -518,6 +522,10 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             self.screen.add(request)
         if self.screen.pending:
             self.screen.settle(self.ledger.plan_epoch, self.progress.timeline)
+        if request.tallies:
+            self.commitments.add(request)
+        if self.commitments.pending:
+            self.commitments.settle(self.ledger.plan_epoch, self.progress.timeline)
         return coordinator_pb2.StepAck()
 
     # -- rotations and status -----------------------------------------------------------------

@@ -68,6 +68,7 @@ from swarm.net.netaddr import is_wildcard, join_host_port, split_host_port, visi
 from swarm.net.relay import RelayMetrics, RelayServer
 from swarm.ops.logs import say, set_context
 from swarm.ops.metrics import Metrics, MetricsServer
+from swarm.runtime.audit import CommitmentTally
 from swarm.runtime.averaging import ReplicaAverager
 
 log = logging.getLogger("swarm-node")
@@ -112,6 +113,7 @@ class NodeDaemon:
         self.health: Health | None = None
         self.server: grpc.aio.Server | None = None
         self.service: StageService | None = None
+        self.tally = CommitmentTally()  # the commitments of the frames its streams sent and received
         self.relay: RelayServer | None = None
         self.dht = None
         self.leaving = asyncio.Event()
@@ -407,6 +409,7 @@ class NodeDaemon:
             averaging_for,
             self.own_states,
             self.settings.fault,
+            self.tally,
         )
         await host.build()
         links = LinkManager(
@@ -461,7 +464,7 @@ class NodeDaemon:
         if not self.settings.listen and security.tls and security.cert is None:
             return ""
         self.server = grpc.aio.server(options=server_options(self.settings.timeouts.keepalive))
-        self.service = StageService(self.metrics, self.settings.link)
+        self.service = StageService(self.metrics, self.settings.link, self.tally)
         stage_pb2_grpc.add_StageServicer_to_server(self.service, self.server)
         self.health = Health(self.server, [self.stage_service_name])
         host, port = split_host_port(self.settings.listen) if self.settings.listen else ("127.0.0.1", 0)

@@ -178,6 +178,7 @@ class LinkManager:
                 keepalive=self.settings.timeouts.keepalive,
                 security=self.settings.security,
                 uplink=self.service.uplink if self.service is not None else None,
+                tally=self.service.tally if self.service is not None else None,
             )
             self._channels.append(channel)
             self._install(link, stage_link)

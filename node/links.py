@@ -33,6 +33,7 @@ from swarm.net.shaper import UNSHAPED, LinkProfile, ShapedSender
 from swarm.net.tls import INSECURE, NODE_SERVER_NAME, Security
 from swarm.net.uplink import UplinkMeter
 from swarm.ops.metrics import Metrics
+from swarm.runtime.audit import CommitmentTally
 from swarm.runtime.wire import ActivationFrame, BoundarySync, GradientFrame
 
 log = logging.getLogger(__name__)
@@ -216,10 +217,12 @@ class StageLink:
         finish: Callable[[], Awaitable[None]] | None = None,
         queue_messages: int = SEND_QUEUE_MESSAGES,
         uplink: UplinkMeter | None = None,
+        tally: CommitmentTally | None = None,
     ):
-        """``uplink``: measures the node's uplink from this stream's backlogged writes."""
+        """``uplink``: measures the node's uplink from this stream's backlogged writes; ``tally``:
+        keeps the commitments of the frames sent and received."""
         self.boundary, self._read, self.metrics, self._finish = boundary, read, metrics, finish
-        self.uplink = uplink
+        self.uplink, self.tally = uplink, tally
         self._raw_write = write
         self._sender = ShapedSender(self._write, profile) if profile.shaped else None
         self._outbox: asyncio.Queue[stage_pb2.StageMessage | None] = asyncio.Queue(maxsize=queue_messages)
@@ -273,6 +276,8 @@ class StageLink:
         Raises the :class:`LinkError` of an earlier message that could not be written.
         """
         msg = sync_to_message(item) if isinstance(item, BoundarySync) else to_message(item)
+        if self.tally is not None and isinstance(item, (ActivationFrame, GradientFrame)):
+            self.tally.record("sent", self.boundary, item)
         size = msg.ByteSize()
         await self._enqueue(msg)
         self.metrics.wire_bytes.labels(str(self.boundary), _direction(item), "sent").inc(size)
@@ -301,6 +306,8 @@ class StageLink:
             self.metrics.wire_bytes.labels(str(self.boundary), _direction(item), "received").inc(
                 msg.ByteSize()
             )
+            if self.tally is not None and isinstance(item, (ActivationFrame, GradientFrame)):
+                self.tally.record("received", self.boundary, item)
             deliver(item)
 
     async def _refuse(self, code: int, error: PayloadError) -> None:
@@ -372,6 +379,7 @@ async def dial(
     keepalive: KeepAlive = DEFAULT_KEEPALIVE,
     security: Security = INSECURE,
     uplink: UplinkMeter | None = None,
+    tally: CommitmentTally | None = None,
 ) -> tuple[StageLink, grpc.aio.Channel]:
     """Open the boundary stream to ``address`` and exchange Hellos; retries until ``timeout``.
 
@@ -395,7 +403,14 @@ async def dial(
             if problem is not None:
                 raise LinkError(f"boundary {boundary}: peer at {address} answered badly: {problem[1]}")
             link = StageLink(
-                boundary, call.read, call.write, metrics, profile, call.done_writing, uplink=uplink
+                boundary,
+                call.read,
+                call.write,
+                metrics,
+                profile,
+                call.done_writing,
+                uplink=uplink,
+                tally=tally,
             )
             return link, channel
         except (TimeoutError, grpc.aio.AioRpcError, _NotYet) as e:

@@ -37,6 +37,7 @@ from swarm.io.data import TokenDataset, batch_ids
 from swarm.io.prepared import PreparedDataset
 from swarm.ops.logs import say
 from swarm.ops.metrics import Metrics
+from swarm.runtime.audit import CommitmentTally
 from swarm.runtime.faults import Fault, FaultSpec
 from swarm.runtime.norm_guard import NormBound
 from swarm.runtime.replicas import Routes
@@ -83,6 +84,7 @@ class StageHost:
         averaging_for: AveragingFactory | None = None,
         own: OwnStates | None = None,
         fault: FaultSpec | None = None,
+        tally: CommitmentTally | None = None,
     ):
         self.config, self.plan, self.fixed, self.device = config, plan, fixed, device
         self.own = own  # this node's states after its latest steps (runs with replicas)
@@ -90,6 +92,7 @@ class StageHost:
         self.dataset, self.timeouts = dataset, timeouts
         self.averaging_for, self.fault = averaging_for, fault
         self.faults: dict[int, Fault] = {}  # tests only: the lies this node's stages tell (``fault``)
+        self.tally = tally  # the commitments of its streams' frames, reported with each step
         self.node_id = client.node_id
         # the stages this node leads (the first replica): it reports their steps, statistics, snapshots
         self.leads = {e.stage for e in plan.replicas if e.replicas and e.replicas[0].node_id == self.node_id}
@@ -302,8 +305,26 @@ class StageHost:
         """Whether the boundary statistic is reported after ``step`` (the rotation interval's end)."""
         return self.rotating and (step + 1) % self.config.rotation.interval == 0
 
+    def _tallies(self, outcome: StepOutcome) -> list[cpb.FrameTally]:
+        """The step's frame commitments, on the report of this node's first stage only (one node's
+        streams: reported once)."""
+        if self.tally is None or outcome.stage != min(self.runners):
+            return []
+        return [
+            cpb.FrameTally(
+                boundary=t.boundary,
+                direction=t.direction,
+                sent=t.sent.to_bytes(32, "big"),
+                received=t.received.to_bytes(32, "big"),
+                sent_frames=t.sent_frames,
+                received_frames=t.received_frames,
+            )
+            for t in self.tally.take(outcome.step)
+        ]
+
     def _report(self, epoch: int, outcome: StepOutcome) -> None:
         drifted = outcome.stats.drifted_frames
+        tallies = self._tallies(outcome)
         if drifted:
             say(
                 f"step {outcome.step}: the screen flagged {drifted} received activation frames "
@@ -318,6 +339,7 @@ class StageHost:
                 progress_only=True,
                 drifted_frames=drifted,
                 drift=outcome.stats.drift,
+                tallies=tallies,
             )
             self.client.report("ReportStep", progress)
             return
@@ -333,6 +355,7 @@ class StageHost:
             wall_seconds=outcome.seconds,
             drifted_frames=drifted,
             drift=s.drift,
+            tallies=tallies,
         )
         if s.loss_count:
             request.loss = s.loss_sum / s.loss_count

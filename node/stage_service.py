@@ -34,6 +34,7 @@ from swarm.net.frames import PROTOCOL_VERSION
 from swarm.net.shaper import UNSHAPED, LinkProfile
 from swarm.net.uplink import UplinkMeter
 from swarm.ops.metrics import Metrics
+from swarm.runtime.audit import CommitmentTally
 
 log = logging.getLogger(__name__)
 HELLO_S = 10.0  # a stream whose Hello has not arrived by then is dropped (it holds a server slot)
@@ -76,9 +77,12 @@ def _certificate_problem(context: grpc.aio.ServicerContext, peer: PlannedPeer) -
 class StageService(stage_pb2_grpc.StageServicer):
     """Accepts boundary streams for whichever :class:`Acceptor` is current (``None``: refuse all)."""
 
-    def __init__(self, metrics: Metrics, profile: LinkProfile = UNSHAPED):
+    def __init__(
+        self, metrics: Metrics, profile: LinkProfile = UNSHAPED, tally: CommitmentTally | None = None
+    ):
         self.metrics, self.profile = metrics, profile
         self.uplink = UplinkMeter()  # from every boundary stream of this node (accepted or dialled)
+        self.tally = tally  # the commitments of the frames on every stream it accepts
         self.acceptor: Acceptor | None = None
         self.node_id = ""
         self.local_address = ""  # host:port this node reaches its own server at (where a relay's streams go)
@@ -118,7 +122,13 @@ class StageService(stage_pb2_grpc.StageServicer):
         boundary = first.hello.boundary
         await context.write(hello(acceptor.identity, boundary, acceptor.local_stage(boundary), peer.secret))
         link = StageLink(
-            boundary, context.read, context.write, self.metrics, self.profile, uplink=self.uplink
+            boundary,
+            context.read,
+            context.write,
+            self.metrics,
+            self.profile,
+            uplink=self.uplink,
+            tally=self.tally,
         )
         try:
             await acceptor.attach(boundary, peer.node_id, link)

@@ -134,3 +134,47 @@ def test_an_honest_bf16_node_passes_an_fp32_auditor():
     checked = [c for _, c in audited_steps(config, pipe, None)]
     assert all(c.within(TOLERANCES[(False, "bf16")]) for c in checked)
     assert any(c.rel_l2 > 0 for c in checked)  # not the same arithmetic: the tolerance is needed
+
+
+def _frames():
+    from swarm.codecs.base import EncodedTensor
+    from swarm.runtime.wire import ActivationFrame, GradientFrame
+
+    payload = EncodedTensor("bf16", 2, 4, bytes(range(16)))
+    activation = ActivationFrame(3, 0, 1, 1, 2, payload, b"\x01\x00\x02\x00\x03\x00")
+    gradient = GradientFrame(3, 0, 1, payload)
+    return activation, gradient
+
+
+def test_a_frame_commitment_covers_every_byte_and_where_the_frame_belongs():
+    from swarm.codecs.base import EncodedTensor
+    from swarm.runtime.audit import frame_digest
+
+    activation, gradient = _frames()
+    base = frame_digest(1, activation)
+    assert frame_digest(1, activation) == base != frame_digest(2, activation)  # another boundary
+    assert frame_digest(1, gradient) != base  # another direction
+    flipped = EncodedTensor("bf16", 2, 4, bytes([1]) + bytes(range(1, 16)))
+    assert frame_digest(1, dataclasses.replace(activation, payload=flipped)) != base
+    assert frame_digest(1, dataclasses.replace(activation, token_ids=b"\x01\x00\x02\x00\x03\x01")) != base
+    assert frame_digest(1, dataclasses.replace(activation, microbatch=1)) != base
+
+
+def test_the_tally_sums_in_any_order_and_forgets_steps_once_taken():
+    from swarm.runtime.audit import CommitmentTally, frame_digest
+
+    activation, gradient = _frames()
+    other = dataclasses.replace(activation, microbatch=1)
+    sender, receiver = CommitmentTally(), CommitmentTally()
+    for frame in (activation, other):
+        sender.record("sent", 1, frame)
+    for frame in (other, activation):  # another order, as a second replica would see them
+        receiver.record("received", 1, frame)
+    receiver.record("sent", 1, gradient)
+    (sent,) = sender.take(3)
+    backward, forward = receiver.take(3)  # ordered by boundary, then direction
+    assert sent.sent == forward.received == (frame_digest(1, activation) + frame_digest(1, other)) % 2**256
+    assert (sent.sent_frames, forward.received_frames, backward.sent_frames) == (2, 2, 1)
+    assert backward.direction == "backward" and backward.sent == frame_digest(1, gradient)
+    sender.record("sent", 1, dataclasses.replace(activation, step=2))
+    assert sender.take(4) == [] and sender.take(2) == []  # step 2 was dropped with step 4's take

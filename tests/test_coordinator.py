@@ -1194,3 +1194,55 @@ def test_screen_flags_of_a_step_count_against_the_hosts_above_the_first_flagged_
             assert all(n.alive for n in (await h.status()).nodes)
 
     run(scenario())
+
+
+def test_frame_commitments_of_senders_and_receivers_are_compared_and_a_disagreement_shown(tmp_path):
+    """Microbatches 2: stage 0's host sends two activations, stage 1's receives them; a crossing
+    is compared once both sides counted both frames, a receiver that got other bytes shows, and a
+    crossing a failure touched (frame counts off) is dropped once overdue, not called a mismatch."""
+    config = tiny_config(n_stages=2)
+
+    def tally(sent: int, received: int, sent_frames: int, received_frames: int) -> coordinator_pb2.FrameTally:
+        return coordinator_pb2.FrameTally(
+            boundary=0,
+            direction="forward",
+            sent=sent.to_bytes(32, "big"),
+            received=received.to_bytes(32, "big"),
+            sent_frames=sent_frames,
+            received_frames=received_frames,
+        )
+
+    async def report(h: Harness, node_id: str, stage: int, step: int, epoch: int, t) -> None:
+        request = coordinator_pb2.StepReport(node_id=node_id, stage=stage, step=step, plan_epoch=epoch)
+        request.tallies.append(t)
+        await h.stub.ReportStep(request, timeout=RPC_TIMEOUT)
+
+    async def scenario() -> None:
+        async with coordinator(tmp_path / "state.sqlite", config) as h:
+            a, b = [await h.join(name, address=f"127.0.0.1:{7001 + i}") for i, name in enumerate("ab")]
+            epoch = b.plan.epoch
+            assert config.train.microbatches == 2
+            await report(h, a.node_id, 0, 0, epoch, tally(2**256 - 1, 0, 2, 0))  # sums wrap mod 2^256
+            await report(h, b.node_id, 1, 0, epoch, tally(0, 2**256 - 1, 0, 2))
+            status = await h.status()
+            assert status.commitment_checks == 1 and not status.commitment_mismatches
+            await report(h, a.node_id, 0, 1, epoch, tally(7, 0, 2, 0))
+            await report(h, b.node_id, 1, 1, epoch, tally(0, 8, 0, 2))
+            status = await h.status()
+            assert status.commitment_checks == 2
+            assert list(status.commitment_mismatches) == [
+                "step 1, boundary 0 forward: the commitments of its 2 frames differ between their "
+                "senders and their receivers"
+            ]
+            assert h.sample("swarm_commitment_mismatches_total", {"direction": "forward"}) == 1
+            # a failure mid-step: a frame sent to a host that died unreported; the sender re-sent it
+            await report(h, a.node_id, 0, 2, epoch, tally(9, 0, 3, 0))
+            await report(h, b.node_id, 1, 2, epoch, tally(0, 5, 0, 2))
+            for step in (3, 4):  # two more steps complete: step 2 is overdue, dropped unchecked
+                await h.step(a.node_id, 0, step, epoch)
+                await h.step(b.node_id, 1, step, epoch)
+            status = await h.status()
+            assert status.commitment_checks == 2 and len(status.commitment_mismatches) == 1
+            assert h.service.commitments.unchecked == 1 and not h.service.commitments.pending
+
+    run(scenario())

@@ -120,3 +120,6 @@ def test_a_node_that_starts_lying_is_flagged_to_the_coordinator_and_no_honest_on
     assert "the screen flagged" in receiver_log
     assert "screen: 40 activation frames from node" in render(final, address)
     assert [s.step for s in final.steps] == list(range(STEPS))  # the screen never stops the run
+    # every crossing of the two boundaries, both directions, every step: what was sent was received
+    # (a lie is committed to like any frame; commitments bind it, audits judge it)
+    assert final.commitment_checks == STEPS * 2 * 2 and not final.commitment_mismatches

@@ -229,6 +229,18 @@ class Metrics:
             ["stage"],
             registry=r,
         )
+        self.commitment_checks = Counter(
+            "swarm_commitment_checks",
+            "Boundary crossings (step, boundary, direction) whose senders' and receivers' frame "
+            "commitments were compared",
+            registry=r,
+        )
+        self.commitment_mismatches = Counter(
+            "swarm_commitment_mismatches",
+            "Compared crossings whose senders' and receivers' frame commitments disagreed",
+            ["direction"],
+            registry=r,
+        )
         self.unreachable_joins = Counter(
             "swarm_unreachable_joins",
             "Joins placed as dial-only: no address announced (no_address), or the coordinator could not "

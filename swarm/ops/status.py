@@ -74,6 +74,8 @@ def status_document(reply: cpb.StatusReply) -> dict:
         "snapshot_holding": reply.snapshot_holding,
         "bad_holders": list(reply.bad_holders),
         "rebuilt_stages": list(reply.rebuilt_stages),
+        "commitment_checks": reply.commitment_checks,
+        "commitment_mismatches": list(reply.commitment_mismatches),
         "rates": {
             "steps": r.steps,
             "loss": r.loss if r.HasField("loss") else None,
@@ -117,12 +119,14 @@ def render(reply: cpb.StatusReply, coordinator: str) -> str:
         f"{r['tokens_per_second']:.0f} tokens/s  {r['bytes_per_token']:.1f} B/token/boundary  "
         f"compression {r['compression_ratio']:.1f}x  (last {r['steps']} steps)",
         f"  subspace v{doc['subspace_version']}  latest cut {cut}  "
-        f"epochs restarted {doc['epochs_restarted']}",
+        f"epochs restarted {doc['epochs_restarted']}  "
+        f"frame commitments checked {doc['commitment_checks']}",
         *(f"  plan problem: {problem}" for problem in doc["plan_problems"]),
         *(f"  relayed: {link}" for link in doc["relayed_links"]),
         *([f"  {doc['snapshot_holding']}"] if doc["snapshot_holding"] else []),
         *(f"  bad snapshot holder: {line}" for line in doc["bad_holders"]),
         *(f"  {line}" for line in doc["rebuilt_stages"]),
+        *(f"  frame commitments disagree: {line}" for line in doc["commitment_mismatches"]),
         *(
             f"  screen: {n['drifted_frames']} activation frames from node {n['node']} ({n['name']}) "
             "drifted from their moving statistics"

@@ -24,6 +24,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from swarm.runtime.wire import ActivationFrame, GradientFrame
+
 DIRECTIONS = ("forward", "backward")
 
 
@@ -166,3 +168,67 @@ def recompute(
         if grad_out is not None and x is not None:
             (grad_in,) = torch.autograd.grad(out, x, grad_out)
     return out.detach(), grad_in
+
+
+def frame_digest(boundary: int, frame: ActivationFrame | GradientFrame) -> int:
+    """A boundary frame's commitment as an integer: SHA-256 over where it belongs (boundary,
+    direction, step, microbatch, weight version) and every byte it carries."""
+    p = frame.payload
+    if isinstance(frame, ActivationFrame):
+        head = ["forward", frame.batch, frame.seq_len, frame.cut, hashlib.sha256(frame.token_ids).hexdigest()]
+    else:
+        head = ["backward"]
+    head += [
+        boundary,
+        frame.step,
+        frame.microbatch,
+        frame.subspace_version,
+        frame.zstd,
+        p.format,
+        p.rows,
+        p.cols,
+    ]
+    h = hashlib.sha256(json.dumps(head).encode() + b"\0" + hashlib.sha256(p.data).digest())
+    return int.from_bytes(h.digest(), "big")
+
+
+@dataclass
+class FrameTally:
+    """The commitments of one step's frames across one boundary in one direction, as one node saw
+    them: summed mod 2^256 (a sum commutes, so the hosts of a stage, whichever microbatches each
+    handled, add up to the stage's), and counted."""
+
+    boundary: int
+    direction: str
+    sent: int = 0
+    received: int = 0
+    sent_frames: int = 0
+    received_frames: int = 0
+
+
+class CommitmentTally:
+    """What a node's boundary streams sent and received, step by step (:func:`frame_digest`)."""
+
+    def __init__(self) -> None:
+        self._steps: dict[int, dict[tuple[int, str], FrameTally]] = {}
+
+    def record(self, side: str, boundary: int, frame: ActivationFrame | GradientFrame) -> None:
+        """A frame ``side`` ("sent" or "received") on ``boundary``."""
+        direction = "forward" if isinstance(frame, ActivationFrame) else "backward"
+        key = (boundary, direction)
+        tally = self._steps.setdefault(frame.step, {}).setdefault(key, FrameTally(boundary, direction))
+        digest = frame_digest(boundary, frame)
+        if side == "sent":
+            tally.sent, tally.sent_frames = (tally.sent + digest) % 2**256, tally.sent_frames + 1
+        else:
+            tally.received, tally.received_frames = (
+                (tally.received + digest) % 2**256,
+                tally.received_frames + 1,
+            )
+
+    def take(self, step: int) -> list[FrameTally]:
+        """The tallies of ``step`` (forgetting it and every earlier step: they will not be reported)."""
+        taken = self._steps.pop(step, {})
+        for old in [s for s in self._steps if s < step]:
+            del self._steps[old]
+        return sorted(taken.values(), key=lambda t: (t.boundary, t.direction))

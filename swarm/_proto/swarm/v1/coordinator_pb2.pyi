@@ -387,7 +387,7 @@ class StatisticsAck(_message.Message):
     def __init__(self, accepted: _Optional[bool] = ..., reason: _Optional[str] = ...) -> None: ...
 
 class StepReport(_message.Message):
-    __slots__ = ("plan_epoch", "node_id", "stage", "step", "loss", "tokens", "bytes_sent_forward", "bytes_sent_backward", "wall_seconds", "progress_only", "drifted_frames", "drift")
+    __slots__ = ("plan_epoch", "node_id", "stage", "step", "loss", "tokens", "bytes_sent_forward", "bytes_sent_backward", "wall_seconds", "progress_only", "drifted_frames", "drift", "tallies")
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     STAGE_FIELD_NUMBER: _ClassVar[int]
@@ -400,6 +400,7 @@ class StepReport(_message.Message):
     PROGRESS_ONLY_FIELD_NUMBER: _ClassVar[int]
     DRIFTED_FRAMES_FIELD_NUMBER: _ClassVar[int]
     DRIFT_FIELD_NUMBER: _ClassVar[int]
+    TALLIES_FIELD_NUMBER: _ClassVar[int]
     plan_epoch: int
     node_id: str
     stage: int
@@ -412,7 +413,24 @@ class StepReport(_message.Message):
     progress_only: bool
     drifted_frames: int
     drift: str
-    def __init__(self, plan_epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ..., progress_only: _Optional[bool] = ..., drifted_frames: _Optional[int] = ..., drift: _Optional[str] = ...) -> None: ...
+    tallies: _containers.RepeatedCompositeFieldContainer[FrameTally]
+    def __init__(self, plan_epoch: _Optional[int] = ..., node_id: _Optional[str] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., loss: _Optional[float] = ..., tokens: _Optional[int] = ..., bytes_sent_forward: _Optional[int] = ..., bytes_sent_backward: _Optional[int] = ..., wall_seconds: _Optional[float] = ..., progress_only: _Optional[bool] = ..., drifted_frames: _Optional[int] = ..., drift: _Optional[str] = ..., tallies: _Optional[_Iterable[_Union[FrameTally, _Mapping]]] = ...) -> None: ...
+
+class FrameTally(_message.Message):
+    __slots__ = ("boundary", "direction", "sent", "received", "sent_frames", "received_frames")
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    SENT_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    SENT_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    RECEIVED_FRAMES_FIELD_NUMBER: _ClassVar[int]
+    boundary: int
+    direction: str
+    sent: bytes
+    received: bytes
+    sent_frames: int
+    received_frames: int
+    def __init__(self, boundary: _Optional[int] = ..., direction: _Optional[str] = ..., sent: _Optional[bytes] = ..., received: _Optional[bytes] = ..., sent_frames: _Optional[int] = ..., received_frames: _Optional[int] = ...) -> None: ...
 
 class StepAck(_message.Message):
     __slots__ = ()
@@ -479,7 +497,7 @@ class NodeStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_name: _Optional[str] = ..., address: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., last_heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., device: _Optional[str] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., left: _Optional[bool] = ..., last_stages: _Optional[_Iterable[int]] = ..., reachable: _Optional[bool] = ..., drifted_frames: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps", "plan_epoch", "resume_step", "latest_cut", "run_complete", "epochs_restarted", "rates", "plan_problems", "relayed_links", "snapshot_holding", "bad_holders", "rebuilt_stages")
+    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps", "plan_epoch", "resume_step", "latest_cut", "run_complete", "epochs_restarted", "rates", "plan_problems", "relayed_links", "snapshot_holding", "bad_holders", "rebuilt_stages", "commitment_checks", "commitment_mismatches")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -498,6 +516,8 @@ class StatusReply(_message.Message):
     SNAPSHOT_HOLDING_FIELD_NUMBER: _ClassVar[int]
     BAD_HOLDERS_FIELD_NUMBER: _ClassVar[int]
     REBUILT_STAGES_FIELD_NUMBER: _ClassVar[int]
+    COMMITMENT_CHECKS_FIELD_NUMBER: _ClassVar[int]
+    COMMITMENT_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     subspace_version: int
@@ -516,7 +536,9 @@ class StatusReply(_message.Message):
     snapshot_holding: str
     bad_holders: _containers.RepeatedScalarFieldContainer[str]
     rebuilt_stages: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., latest_cut: _Optional[int] = ..., run_complete: _Optional[bool] = ..., epochs_restarted: _Optional[int] = ..., rates: _Optional[_Union[RunRates, _Mapping]] = ..., plan_problems: _Optional[_Iterable[str]] = ..., relayed_links: _Optional[_Iterable[str]] = ..., snapshot_holding: _Optional[str] = ..., bad_holders: _Optional[_Iterable[str]] = ..., rebuilt_stages: _Optional[_Iterable[str]] = ...) -> None: ...
+    commitment_checks: int
+    commitment_mismatches: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., latest_cut: _Optional[int] = ..., run_complete: _Optional[bool] = ..., epochs_restarted: _Optional[int] = ..., rates: _Optional[_Union[RunRates, _Mapping]] = ..., plan_problems: _Optional[_Iterable[str]] = ..., relayed_links: _Optional[_Iterable[str]] = ..., snapshot_holding: _Optional[str] = ..., bad_holders: _Optional[_Iterable[str]] = ..., rebuilt_stages: _Optional[_Iterable[str]] = ..., commitment_checks: _Optional[int] = ..., commitment_mismatches: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunRates(_message.Message):
     __slots__ = ("steps", "loss", "tokens_per_second", "bytes_per_token", "compression_ratio")
