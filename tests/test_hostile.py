@@ -21,7 +21,16 @@ from tests.procs import coordinator, node, processes, tiny_run, wait_for_nodes, 
 STEPS, INTERVAL, FROM_STEP = 30, 5, 12
 
 
-@pytest.mark.parametrize("attack", ["nan", "oversized", "scaled", "replay"])
+# NaN and replayed frames are refused at the link in tests/test_links.py: their live runs are slow-suite
+@pytest.mark.parametrize(
+    "attack",
+    [
+        pytest.param("nan", marks=pytest.mark.slow),
+        "oversized",
+        "scaled",
+        pytest.param("replay", marks=pytest.mark.slow),
+    ],
+)
 def test_a_hostile_node_is_evicted_and_the_run_completes(tmp_path, attack):
     config = tiny_run(tmp_path, STEPS, n_stages=3, checkpoint_interval=INTERVAL)
     with processes() as procs:
