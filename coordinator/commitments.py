@@ -22,7 +22,6 @@ from swarm.runtime.audit import FrameTally
 
 log = logging.getLogger("swarm.coordinator")
 
-MODULUS = 2**256
 GRACE_STEPS = 2  # a crossing not full this many steps after its step completed is dropped, unchecked
 
 
@@ -42,10 +41,12 @@ class CommitmentChecks:
         crossings = self.pending.setdefault((report.plan_epoch, report.step), {})
         for t in report.tallies:
             c = crossings.setdefault((t.boundary, t.direction), FrameTally(t.boundary, t.direction))
-            c.sent = (c.sent + int.from_bytes(t.sent, "big")) % MODULUS
-            c.received = (c.received + int.from_bytes(t.received, "big")) % MODULUS
-            c.sent_frames += t.sent_frames
-            c.received_frames += t.received_frames
+            c.add(
+                int.from_bytes(t.sent, "big"),
+                int.from_bytes(t.received, "big"),
+                t.sent_frames,
+                t.received_frames,
+            )
 
     def settle(self, epoch: int, completed: int) -> None:
         """Compare every full crossing; drop those overdue (of an earlier epoch than ``epoch``, or

@@ -205,6 +205,12 @@ class FrameTally:
     sent_frames: int = 0
     received_frames: int = 0
 
+    def add(self, sent: int, received: int, sent_frames: int, received_frames: int) -> None:
+        """Add commitments (summed mod 2^256) and frame counts: one frame's, or a node's tally."""
+        self.sent, self.received = (self.sent + sent) % 2**256, (self.received + received) % 2**256
+        self.sent_frames += sent_frames
+        self.received_frames += received_frames
+
 
 class CommitmentTally:
     """What a node's boundary streams sent and received, step by step (:func:`frame_digest`)."""
@@ -219,12 +225,9 @@ class CommitmentTally:
         tally = self._steps.setdefault(frame.step, {}).setdefault(key, FrameTally(boundary, direction))
         digest = frame_digest(boundary, frame)
         if side == "sent":
-            tally.sent, tally.sent_frames = (tally.sent + digest) % 2**256, tally.sent_frames + 1
+            tally.add(digest, 0, 1, 0)
         else:
-            tally.received, tally.received_frames = (
-                (tally.received + digest) % 2**256,
-                tally.received_frames + 1,
-            )
+            tally.add(0, digest, 0, 1)
 
     def take(self, step: int) -> list[FrameTally]:
         """The tallies of ``step`` (forgetting it and every earlier step: they will not be reported)."""
