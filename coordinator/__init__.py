@@ -10,6 +10,7 @@
 * :mod:`swarm.coordinator.gate`: join tokens, session credentials, refusals
   (:mod:`~swarm.coordinator.tokens`, :mod:`~swarm.coordinator.sessions`, :mod:`~swarm.coordinator.errors`).
 * :mod:`swarm.coordinator.judge`: who to evict on an accusation of invalid frames.
+* :mod:`swarm.coordinator.audits`: sibling replicas' recomputations of each other, and evictions on them.
 * :mod:`swarm.coordinator.rotation`: boundary statistics in, subspace rotations out;
   :mod:`swarm.coordinator.rotation_hub` keeps and streams them.
 * :mod:`swarm.coordinator.progress`: step reports and the ``Status`` document.

@@ -5,7 +5,8 @@ naming a node id without its credential is refused, and only credentialed nodes 
 rotations or fetch artifacts (snapshots are model weights). A genuine credential under a revoked
 join token evicts its node. Reports must come from an alive node following the current epoch
 (and, for a stage's reports, hosting that stage). A refusal is counted under its label in
-``swarm_rejected_messages`` and aborts the call with the status code the label maps to.
+``swarm_rejected_messages`` and aborts the call with the status code the label maps to. A node's
+own join token is banned when its node is evicted for computing wrong (audits): no later Join with it.
 """
 
 from __future__ import annotations
@@ -96,7 +97,31 @@ class Gate:
             await self.reject(
                 context, grpc.StatusCode.UNAUTHENTICATED, "auth", "unknown or revoked join token"
             )
+        banned = self.tokens.banned(admitted.id)
+        if banned is not None:
+            await self.reject(
+                context,
+                grpc.StatusCode.PERMISSION_DENIED,
+                "banned",
+                f"a node that joined with this token was evicted ({banned}): the token may not join again",
+            )
         return admitted
+
+    def ban(self, node_id: str, reason: str) -> bool:
+        """Refuse every later Join with ``node_id``'s own join token (its party), evicted for
+        ``reason``; whether it had one (a node that joined with the operator's shared token is a
+        party of its own: nothing tells it apart when it rejoins)."""
+        party = self.roster.party_of(node_id)
+        if party == node_id:
+            log.warning(
+                "node %s joined with the shared token: nothing keeps it from joining again "
+                "(give volunteers their own: `swarm-coordinator token create`)",
+                node_id[:8],
+            )
+            return False
+        self.tokens.ban(party, reason)
+        log.warning("join token %s is banned: %s", party, reason)
+        return True
 
     def identity(
         self, node_id: str, admitted: TokenRecord, context: grpc.aio.ServicerContext

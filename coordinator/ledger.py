@@ -6,8 +6,9 @@ past that cut are dropped (those steps will be redone), so every cut the ledger 
 one history. With ``checkpoint.lost_stage = "rebuild"`` a cut that lost only middle stages, none
 next to another, still counts: those stages are rebuilt from their neighbours' snapshots (CheckFree)
 instead of every stage rolling back. Only the newest ``checkpoint.keep`` complete cuts are kept (and
-the current epoch's, which a late joiner restores from). Epochs, resume steps and snapshot records
-are written through to the state file.
+the current epoch's, which a late joiner restores from). An epoch after a node was evicted for
+computing wrong resumes from the newest cut before it first hosted a stage. Epochs, resume steps
+and snapshot records are written through to the state file.
 """
 
 from __future__ import annotations
@@ -70,17 +71,26 @@ class Ledger:
         return sorted(mb for mb, owner in self.dealt[stage].items() if owner == node_id)
 
     def start_epoch(
-        self, reason: str, progressed: bool, after_own_step: int | None = None, planned: bool = False
+        self,
+        reason: str,
+        progressed: bool,
+        after_own_step: int | None = None,
+        planned: bool = False,
+        before_step: int | None = None,
     ) -> None:
         """A new plan epoch, resuming from the latest verified cut; later snapshot records are dropped.
 
         ``progressed``: whether any step completed (then the epoch counts as a restart, unless
         ``planned``: replicas joining at a cut just taken for them). ``after_own_step``: resume right
         after that step instead, every host from the state it kept of it (a replica died, its
-        siblings go on): nothing rolls back, and it is no restart.
+        siblings go on): nothing rolls back, and it is no restart. ``before_step``: resume from the
+        latest verified cut before that step (step 0 when none is kept): every later state may
+        hold what a node evicted for computing wrong contributed from that step on.
         """
-        cut = self._latest_verified_cut() if after_own_step is None else after_own_step
+        cut = self._latest_verified_cut(before_step) if after_own_step is None else after_own_step
         self._forget([r for r in self.checkpoints.values() if r.step > cut])
+        if self.rebuild_cut > cut:  # a rebuild that is undone with the steps after the cut
+            self.rebuild_cut, self.rebuilt = -1, frozenset()
         restarted = (progressed or self.resume_step > 0) and after_own_step is None and not planned
         self.plan_epoch, self.resume_step = self.plan_epoch + 1, cut + 1
         self.from_own_states = after_own_step is not None
@@ -88,6 +98,8 @@ class Ledger:
         self.state.set_epoch(self.plan_epoch, self.resume_step, self.restarts)
         self.metrics.plan_epoch.set(self.plan_epoch)
         source = " from the hosts' own states" if after_own_step is not None else ""
+        if before_step is not None and after_own_step is None:
+            source = f" (the newest cut before step {before_step})"
         log.info("plan epoch %d (%s): resume at step %d%s", self.plan_epoch, reason, self.resume_step, source)
         self.news.post()
 
@@ -98,8 +110,17 @@ class Ledger:
 
     def link_secret(self, boundary: int, up: str, down: str) -> str:
         """The secret of the link from ``up`` to ``down`` across ``boundary``, this epoch."""
-        ends = f"{self.run_id}/{self.plan_epoch}/{boundary}/{up}/{down}".encode()
-        return hmac.new(self.link_key, ends, hashlib.sha256).hexdigest()
+        return self._secret(f"{boundary}/{up}/{down}")
+
+    def evidence_secret(self) -> str:
+        """What auditors show Stage.FetchEvidence this epoch (the same for every member); empty when
+        the run has no audits (``RunConfig.audits``)."""
+        return self._secret("evidence") if self.config.audits else ""
+
+    def _secret(self, what: str) -> str:
+        """The HMAC of the run's key over ``run_id/plan_epoch/what``."""
+        message = f"{self.run_id}/{self.plan_epoch}/{what}".encode()
+        return hmac.new(self.link_key, message, hashlib.sha256).hexdigest()
 
     def restore(self, stages: Sequence[int]) -> list[coordinator_pb2.StageCheckpoint]:
         """The snapshots ``stages`` resume from this epoch (none when it starts at step 0, or after a
@@ -159,17 +180,17 @@ class Ledger:
         coordinator's disk (as an upload once made a cut durable, a keeper's copy does now)."""
         return len(self.keepers.holders.get(r.digest, ())) > 1 or self.store.complete(r.digest)
 
-    def _latest_verified_cut(self) -> int:
-        """The newest complete cut whose snapshots all have an alive holder or pass their hash check
-        on the coordinator's disk, or (``lost_stage = "rebuild"``) whose lost stages can be rebuilt
-        (-1: none).
+    def _latest_verified_cut(self, before: int | None = None) -> int:
+        """The newest complete cut (before step ``before``, if given) whose snapshots all have an
+        alive holder or pass their hash check on the coordinator's disk, or (``lost_stage =
+        "rebuild"``) whose lost stages can be rebuilt (-1: none).
 
         A snapshot that has neither is dropped with its record, so its cut is never offered again
         (unless its stage is rebuilt at it).
         """
         n = self.config.n_stages
         cuts = set(self._complete_cuts()) | ({self.rebuild_cut} if self.rebuild_cut >= 0 else set())
-        for step in sorted(cuts, reverse=True):
+        for step in sorted((c for c in cuts if before is None or c < before), reverse=True):
             records = [self.checkpoints[(step, s)] for s in range(n) if (step, s) in self.checkpoints]
             bad = [r for r in records if not self._available(r)]
             lost = {s for s in range(n) if (step, s) not in self.checkpoints} | {r.stage for r in bad}

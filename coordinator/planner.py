@@ -62,27 +62,39 @@ class Planner:
         self.problems: list[str] = self._problems(roster.owners())
         self._growth_pending = False  # standbys wait to join as replicas at the next cut
         self._growing = False
+        # node id -> the first step it hosted a stage at (the lowest resume step of an epoch it
+        # hosted in: after a rollback, at most the first in the run's current history)
+        self.first_hosted = ledger.state.first_hosted()
         self._deal()
+        self._note_hosts()
 
-    def evict(self, node: NodeRecord) -> None:
-        """Take ``node`` out of the run (it left, died or was evicted) and replan without it."""
+    def evict(self, node: NodeRecord, rollback: bool = False) -> None:
+        """Take ``node`` out of the run (it left, died or was evicted) and replan without it.
+
+        ``rollback``: it computed wrong (audits), so nothing built on its values may survive: the
+        next epoch resumes from the newest cut before the first step it hosted a stage at (or from
+        step 0), never from the hosts' own states."""
         self.ended(node.id)
         before = self.roster.owners()
+        before_step = self.first_hosted.get(node.id, 0) if rollback else None
         self.relays.drop(node.id)  # its relay goes with it: plan without
         self.roster.retire(node)
-        self.replan(before, lost=node.id)
+        self.replan(before, lost=node.id, before_step=before_step)
         if self.relayed_links() != self._relayed and not self.progress.run_complete:
-            self.new_epoch(f"node {node.id[:8]} left with the relay links ran through")
+            reason = f"node {node.id[:8]} left with the relay links ran through"
+            self.new_epoch(reason, before_step=before_step)
 
-    def replan(self, before: Owners, lost: str | None = None) -> None:
+    def replan(self, before: Owners, lost: str | None = None, before_step: int | None = None) -> None:
         """Reassign stages (the one place that does); a new epoch when the owners differ from ``before``.
 
         ``lost``: the node just taken out. Where it was a replica (every stage it hosted keeps a live
         host) the others go on from their own states of the last completed step and nothing else
         changes now; standbys join stages as replicas at the next cut (requested), so an added
-        replica does not roll the run back either."""
+        replica does not roll the run back either. ``before_step``: the lost node computed wrong
+        from that step on: a new epoch (owners changed or not) resumes from a cut before it
+        (:meth:`new_epoch`)."""
         if not self.progress.run_complete:
-            survivors = self._without(before, lost) if lost is not None else None
+            survivors = self._without(before, lost) if lost is not None and before_step is None else None
             if survivors is not None:
                 self.roster.host(survivors)
                 self._show_problems(self._problems(survivors))
@@ -100,8 +112,9 @@ class Planner:
                     owners = before
             self.roster.host(owners)
             self._show_problems(self._problems(owners))
-            if owners != before:
-                self.new_epoch("stage owners changed")
+            if owners != before or before_step is not None:
+                reason = "stage owners changed" if before_step is None else "a host computed wrong"
+                self.new_epoch(reason, before_step=before_step)
         self.roster.show_alive()
 
     def _without(self, before: Owners, lost: str) -> Owners | None:
@@ -173,22 +186,34 @@ class Planner:
         if self.relayed_links() != self._relayed and not self.progress.run_complete:
             self.new_epoch("the relays that answer changed")
 
-    def new_epoch(self, reason: str, own_states: bool = False) -> None:
+    def new_epoch(self, reason: str, own_states: bool = False, before_step: int | None = None) -> None:
         """Start a plan epoch with the current owners (microbatches dealt anew), from the latest cut
         or (``own_states``, in runs with replicas) right after the last completed step, each host
         from the state it kept of it; from the cut after all when the epoch this one replaces did
-        so and completed no step (a host may have lacked the state)."""
+        so and completed no step (a host may have lacked the state). ``before_step``: from the
+        latest cut before that step (own states or not: they may hold an evicted node's values)."""
         self._deal()
         self._relayed = self.relayed_links()
         stuck = self.ledger.from_own_states and self.progress.timeline == self.ledger.resume_step - 1
-        own_states = own_states and self.config.train.replicas > 1 and not stuck
+        own_states = own_states and self.config.train.replicas > 1 and not stuck and before_step is None
         hosts = (n for stage_hosts in self.roster.owners() for n in stage_hosts)
         after = self.progress.resumable(hosts) if own_states else None
         progressed = self.progress.completed >= 0
-        self.ledger.start_epoch(reason, progressed, after_own_step=after, planned=self._growing)
+        self.ledger.start_epoch(
+            reason, progressed, after_own_step=after, planned=self._growing, before_step=before_step
+        )
         self.progress.epoch_started(self.ledger.resume_step)
+        self._note_hosts()
         if self._growth_pending:  # the cut asked for may have been lost with the epoch it was marked in
             self.ledger.request_cut()
+
+    def _note_hosts(self) -> None:
+        """Lower every host's first hosted step to this epoch's resume step (kept in the state)."""
+        step = self.ledger.resume_step
+        for node_id in {n for hosts in self.roster.owners() for n in hosts}:
+            if self.first_hosted.get(node_id, step + 1) > step:
+                self.first_hosted[node_id] = step
+                self.ledger.state.set_first_hosted(node_id, step)
 
     def heard(self, node: NodeRecord, request: coordinator_pb2.HeartbeatRequest) -> None:
         """Note a heartbeat. Its capacity and averaging address matter to replicas: standbys that can
@@ -215,6 +240,7 @@ class Planner:
             rebuild=self.ledger.rebuilding(node.stages),
             replicas=self._replicas(),
             upload_snapshots=self.ledger.keepers.uploads(node),
+            evidence_secret=self.ledger.evidence_secret(),
         )
 
     def neighbours(self, node_id: str, other_id: str) -> bool:
@@ -309,14 +335,16 @@ class Planner:
         return links
 
     def _replicas(self) -> list[coordinator_pb2.StageReplicas]:
-        """Every stage's replicas with their microbatches (as dealt at the epoch's start)."""
-        stages = []
+        """Every stage's replicas with their microbatches (as dealt at the epoch's start) and announce
+        addresses (empty for a replica that only dials)."""
+        stages, addresses = [], self.roster.addresses()
         for s, hosts in enumerate(self.roster.owners()):
             replicas = [
                 coordinator_pb2.StageReplica(
                     node_id=n,
                     microbatches=self.ledger.microbatches(s, n),
                     averaging_address=self.roster.averaging.get(n, "") if len(hosts) > 1 else "",
+                    address=addresses.get(n, ""),
                 )
                 for n in hosts
             ]

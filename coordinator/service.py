@@ -8,6 +8,7 @@ The service wires the coordinator's collaborators and keeps its RPC handlers thi
   is the one place that reassigns stages) and the plan each node is told;
 * :mod:`~swarm.coordinator.gate`: join tokens, session credentials, the refusal of calls;
 * :mod:`~swarm.coordinator.judge`: who to evict on an accusation of invalid frames;
+* :mod:`~swarm.coordinator.audits`: sibling replicas' recomputations, and who they evict;
 * :mod:`~swarm.coordinator.rotation_hub`: statistics in, rotations out and streamed;
 * :mod:`~swarm.coordinator.progress`: step reports and the ``Status`` document;
 * :mod:`~swarm.coordinator.artifacts`: the embedding, uploaded stage snapshots, the trained model;
@@ -27,7 +28,8 @@ from the latest complete checkpoint cut whose snapshots all verify, and every no
 rebuilds its stages from there. Reports that carry an older epoch are refused, and a node
 declared dead stays dead (fenced): its calls are refused and its heartbeats answered
 ``known=False``. Once every stage has reported the last step the run is complete and
-membership changes no longer replan it.
+membership changes no longer replan it. A node its sibling replicas' audits found computing wrong
+is evicted further back: the run resumes from the newest cut before it first hosted a stage.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from pathlib import Path
 
 import grpc
 from swarm.coordinator.artifacts import Artifacts
+from swarm.coordinator.audits import Audits
 from swarm.coordinator.bulletin import MAX_HOLD_MS
 from swarm.coordinator.commitments import CommitmentChecks
 from swarm.coordinator.errors import Rejected
@@ -134,6 +137,7 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         sessions = Sessions(key_path, tokens.revoked, settings.session_ttl_s)
         self.gate = Gate(tokens, sessions, self.roster, self.ledger, metrics, security, self.planner.evict)
         self.judge = Judge(self.roster.party_of, self.planner.evict, metrics)
+        self.audits = Audits(config, self.ledger, self.roster, self._evict_wrong, metrics)
         self.reaper: asyncio.Task[None] | None = None
         self.relay_prober: asyncio.Task[None] | None = None
         self.roster.show_alive()
@@ -203,7 +207,17 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         reply.rebuilt_stages.extend(self.ledger.rebuilt_lines())
         reply.commitment_checks = self.commitments.checks
         reply.commitment_mismatches.extend(self.commitments.mismatches)
+        reply.audits_matched = self.audits.counts["match"]
+        reply.audits_mismatched = self.audits.counts["mismatch"]
+        reply.audits_unavailable = self.audits.counts["unavailable"]
+        reply.audit_lines.extend(self.audits.lines)
         return reply
+
+    def _evict_wrong(self, node: NodeRecord, reason: str) -> None:
+        """Evict ``node``, found computing wrong: its own join token may not join again, and the run
+        resumes from a cut before the first step it hosted a stage at."""
+        self.gate.ban(node.id, reason)
+        self.planner.evict(node, rollback=True)
 
     # -- membership ---------------------------------------------------------------------------
 
@@ -527,6 +541,14 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         if self.commitments.pending:
             self.commitments.settle(self.ledger.plan_epoch, self.progress.timeline)
         return coordinator_pb2.StepAck()
+
+    async def ReportAudit(self, request, context) -> coordinator_pb2.AuditAck:
+        try:
+            self.gate.require_host(request.node_id, request.stage, request.plan_epoch, context)
+            self.audits.add(request)
+        except Rejected as e:
+            await self.gate.refuse(context, e)
+        return coordinator_pb2.AuditAck()
 
     # -- rotations and status -----------------------------------------------------------------
 

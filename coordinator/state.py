@@ -52,6 +52,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 CREATE TABLE IF NOT EXISTS holders (
     digest TEXT NOT NULL, node_id TEXT NOT NULL, PRIMARY KEY (digest, node_id)
 );
+CREATE TABLE IF NOT EXISTS first_hosted (node_id TEXT PRIMARY KEY, step INTEGER NOT NULL);
 """
 
 
@@ -182,6 +183,15 @@ class CoordinatorState:
         """node id -> (party, certificate name), for every node that joined."""
         rows = self.db.execute("SELECT node_id, party, certificate FROM node_identity")
         return {node_id: (party, certificate) for node_id, party, certificate in rows}
+
+    def set_first_hosted(self, node_id: str, step: int) -> None:
+        """The first step ``node_id`` hosted a stage at (in the run's current history, at most)."""
+        self.db.execute("INSERT OR REPLACE INTO first_hosted VALUES (?, ?)", (node_id, step))
+
+    def first_hosted(self) -> dict[str, int]:
+        """node id -> what :meth:`set_first_hosted` last recorded for it."""
+        rows = self.db.execute("SELECT node_id, step FROM first_hosted")
+        return {node_id: int(step) for node_id, step in rows}
 
     def nodes(self) -> list[NodeRecord]:
         """Every node ever admitted, in join order (one stored before reachability was measured

@@ -7,7 +7,8 @@ not checked for entropy). A token's id is the head of its digest, enough to
 name it in ``list`` and ``revoke`` and in session credentials. A revoked token stays in the
 table, so neither ``--token-file`` nor ``$SWARM_TOKEN`` can bring it back, and the
 coordinator refuses at once every session credential issued under it (the CLI writes the same
-SQLite file the coordinator reads).
+SQLite file the coordinator reads). A token whose node was evicted for computing wrong (audits) is
+banned: it stays valid for its party's other nodes, but no new Join with it is admitted.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ CREATE TABLE IF NOT EXISTS join_tokens (
     id TEXT PRIMARY KEY, digest TEXT NOT NULL UNIQUE, label TEXT NOT NULL, created REAL NOT NULL,
     revoked REAL
 );
+CREATE TABLE IF NOT EXISTS banned_tokens (id TEXT PRIMARY KEY, reason TEXT NOT NULL, at REAL NOT NULL);
 """
 ID_CHARS = 12
 PREFIX = "swt_"
@@ -89,6 +91,17 @@ class JoinTokens:
             (time.time(), matches[0].id),
         )
         return self._record("id = ?", matches[0].id)
+
+    def ban(self, token_id: str, reason: str) -> None:
+        """Refuse every later Join with the token ``token_id`` (its node was evicted for ``reason``);
+        the first reason stays."""
+        row = (token_id, reason, time.time())
+        self.db.execute("INSERT OR IGNORE INTO banned_tokens VALUES (?, ?, ?)", row)
+
+    def banned(self, token_id: str) -> str | None:
+        """Why ``token_id`` may not join again, or None when it may."""
+        row = self.db.execute("SELECT reason FROM banned_tokens WHERE id = ?", (token_id,)).fetchone()
+        return row[0] if row is not None else None
 
     def list(self) -> list[TokenRecord]:
         rows = self.db.execute(

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import grpc
 import torch
+from swarm.node.auditor import Auditor
 from swarm.node.checkpointer import Checkpointer
 from swarm.node.coordinator_client import CoordinatorClient, CoordinatorUnreachable, Fenced, JoinRefused
 from swarm.node.keeper import Keeper, bad_holder_report
@@ -42,7 +43,7 @@ from swarm.node.replica_averaging import ReplicaGroup, Sibling
 from swarm.node.settings import NodeSettings
 from swarm.node.snapshot_fetch import SnapshotFetcher
 from swarm.node.snapshot_server import SnapshotServer
-from swarm.node.stage_host import StageHost
+from swarm.node.stage_host import StageHost, microbatch_owners
 from swarm.node.stage_service import StageService
 
 from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
@@ -395,6 +396,7 @@ class NodeDaemon:
 
     async def _train_epoch(self, plan: cpb.Plan, fixed: torch.Tensor) -> bool:
         averaging_for = await self._averaging(plan)
+        auditor = self._auditor(plan)
         host = StageHost(
             self.config,
             plan,
@@ -410,6 +412,7 @@ class NodeDaemon:
             self.own_states,
             self.settings.fault,
             self.tally,
+            auditor,
         )
         await host.build()
         links = LinkManager(
@@ -436,6 +439,30 @@ class NodeDaemon:
             # what its neighbours need to finish that step: they get as long as a neighbour waits
             # for a frame (on a slow link that is far beyond a teardown's flush).
             await links.close(self.settings.timeouts.step_s if finished is not None else CLOSE_FLUSH_S)
+            if auditor is not None:
+                await auditor.close()
+
+    def _auditor(self, plan: cpb.Plan) -> Auditor | None:
+        """This epoch's audits of sibling replicas (None when the run has none); the frames this node
+        keeps for auditors start afresh, under the epoch's evidence secret."""
+        self.tally.new_epoch()
+        self.tally.window = self.config.audit.window if self.config.audits else 0
+        if self.service is not None:
+            self.service.evidence_secret = plan.evidence_secret
+        if not self.config.audits or not plan.evidence_secret:
+            return None
+        return Auditor(
+            self.config,
+            plan,
+            self.node_id,
+            microbatch_owners(plan),
+            {r.node_id: r.address for e in plan.replicas for r in e.replicas if r.address},
+            self.tally,
+            lambda report: self.client.report("ReportAudit", report),
+            self.metrics,
+            self.settings.security,
+            self.settings.timeouts.keepalive,
+        )
 
     def _take_cut_request(self) -> bool:
         """Stage 0: whether a new cut request arrived since the last step it marked (``!=``: a

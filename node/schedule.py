@@ -112,6 +112,8 @@ class StageRunner:
         self.batch_for_step, self.rotation_ready = batch_for_step, rotation_ready
         self.routes = routes or Routes.alone(worker.config.train.microbatches)
         self.averaging = averaging
+        # called once a step has begun (rotation applied, nothing computed yet): the auditor's draw
+        self.step_begun: Callable[[int, StageWorker], None] | None = None
         # links to the replicas of stage index-1 / index+1 (StageLink or LocalLink), by node id
         self.upstream_links: dict[str, object] = {}
         self.downstream_links: dict[str, object] = {}
@@ -235,6 +237,8 @@ class StageRunner:
         if self.rotation_ready is not None:
             await self.rotation_ready(step)
         w.begin_step(step)
+        if self.step_begun is not None:
+            self.step_begun(step, w)
         self._cut, self._peak_live = cut, 0
         chunks = self.batch_for_step(step).chunk(n_micro) if w.is_first else None
         fwd_wire = bwd_wire = 0

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 
 import torch
+from swarm.node.auditor import Auditor
 from swarm.node.checkpointer import Checkpointer
 from swarm.node.coordinator_client import CoordinatorClient
 from swarm.node.keeper import held_report
@@ -85,6 +86,7 @@ class StageHost:
         own: OwnStates | None = None,
         fault: FaultSpec | None = None,
         tally: CommitmentTally | None = None,
+        auditor: Auditor | None = None,
     ):
         self.config, self.plan, self.fixed, self.device = config, plan, fixed, device
         self.own = own  # this node's states after its latest steps (runs with replicas)
@@ -93,6 +95,7 @@ class StageHost:
         self.averaging_for, self.fault = averaging_for, fault
         self.faults: dict[int, Fault] = {}  # tests only: the lies this node's stages tell (``fault``)
         self.tally = tally  # the commitments of its streams' frames, reported with each step
+        self.auditor = auditor  # its audits of sibling replicas (runs with audits)
         self.node_id = client.node_id
         # the stages this node leads (the first replica): it reports their steps, statistics, snapshots
         self.leads = {e.stage for e in plan.replicas if e.replicas and e.replicas[0].node_id == self.node_id}
@@ -144,6 +147,8 @@ class StageHost:
             for state in self._capture(resume - 1, [*snapshots, *rebuilt]):
                 self.own.put(state)
         for s, runner in self.runners.items():
+            if self.auditor is not None:
+                runner.step_begun = self.auditor.step_begun
             nxt = self.runners.get(s + 1)
             if nxt is not None:
                 connect_local(runner, nxt, self.node_id)
@@ -262,6 +267,8 @@ class StageHost:
                     self.own.put(state)
             for outcome in results:
                 self._report(epoch, outcome)
+            if self.auditor is not None:
+                self.auditor.after_step()
             seconds = max(o.seconds for o in results)
             busy = sum(o.busy_seconds for o in results)
             version = next(iter(self.runners.values())).worker.version

@@ -1,5 +1,6 @@
 """The node's gRPC ``Stage`` service: accepts the boundary streams its neighbours dial, and serves
-the chunks of the snapshots it holds (:class:`~swarm.node.snapshot_server.SnapshotServer`).
+the chunks of the snapshots it holds (:class:`~swarm.node.snapshot_server.SnapshotServer`) and, to
+auditors, the boundary frames its streams kept (``FetchEvidence``: :mod:`swarm.node.auditor`).
 
 The service lives as long as the node; what it accepts changes with the plan. Each
 epoch's :class:`~swarm.node.link_manager.LinkManager` registers itself as the current
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import hmac
 import logging
 from typing import Protocol
 
@@ -30,11 +32,12 @@ from swarm.node.links import (
 from swarm.node.snapshot_server import SnapshotServer
 
 from swarm._proto.swarm.v1 import stage_pb2, stage_pb2_grpc
-from swarm.net.frames import PROTOCOL_VERSION
+from swarm.net.frames import PROTOCOL_VERSION, activation_to_proto, gradient_to_proto
 from swarm.net.shaper import UNSHAPED, LinkProfile
 from swarm.net.uplink import UplinkMeter
 from swarm.ops.metrics import Metrics
 from swarm.runtime.audit import CommitmentTally
+from swarm.runtime.wire import ActivationFrame
 
 log = logging.getLogger(__name__)
 HELLO_S = 10.0  # a stream whose Hello has not arrived by then is dropped (it holds a server slot)
@@ -88,6 +91,7 @@ class StageService(stage_pb2_grpc.StageServicer):
         self.local_address = ""  # host:port this node reaches its own server at (where a relay's streams go)
         self.pending: collections.Counter[str] = collections.Counter()  # host -> streams before Hello
         self.snapshots: SnapshotServer | None = None  # set once the node joined a run
+        self.evidence_secret = ""  # the current epoch's Plan.evidence_secret (empty: no audits)
 
     async def Exchange(self, request_iterator, context: grpc.aio.ServicerContext):
         host = context.peer().rpartition(":")[0]  # "ipv4:10.0.0.2:51234" -> "ipv4:10.0.0.2"
@@ -140,6 +144,30 @@ class StageService(stage_pb2_grpc.StageServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "this node has joined no run yet")
         async for chunk in self.snapshots.serve(request, context):
             yield chunk
+
+    async def FetchEvidence(self, request: stage_pb2.EvidenceRequest, context: grpc.aio.ServicerContext):
+        secret = self.evidence_secret
+        if not secret or not hmac.compare_digest(request.access.encode(), secret.encode()):
+            self.metrics.rejected.labels("evidence_access").inc()
+            await context.abort(
+                grpc.StatusCode.PERMISSION_DENIED, "evidence needs this epoch's evidence secret"
+            )
+        if request.side not in ("sent", "received") or request.direction not in ("forward", "backward"):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "side must be sent|received, direction forward|backward"
+            )
+        frame = None
+        if self.tally is not None:
+            frame = self.tally.kept(
+                request.step, request.boundary, request.direction, request.microbatch, request.side
+            )
+        if frame is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND, "no such frame kept (never seen, or older than the window)"
+            )
+        if isinstance(frame, ActivationFrame):
+            return stage_pb2.EvidenceReply(activation=activation_to_proto(frame))
+        return stage_pb2.EvidenceReply(gradient=gradient_to_proto(frame))
 
     async def Ping(self, request: stage_pb2.PingRequest, context) -> stage_pb2.PingReply:
         acceptor = self.acceptor

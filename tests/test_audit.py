@@ -14,44 +14,12 @@ from swarm.core.config import MODEL_PRESETS, CodecConfig, DataConfig, RunConfig,
 from swarm.io.data import batch_ids, load_dataset
 from swarm.runtime.audit import (
     TOLERANCES,
-    CommitLog,
-    CommitmentError,
-    FrameKey,
     compare,
     drawn,
     recompute,
-    tensor_payload,
 )
 from swarm.runtime.faults import MODES, Fault
 from swarm.runtime.pipeline import LocalPipeline
-
-
-def key(step: int = 3, microbatch: int = 1, direction: str = "forward") -> FrameKey:
-    return FrameKey("run-1", 2, step, microbatch, 1, step, direction)
-
-
-def test_a_payload_is_bound_to_its_key_and_cannot_be_swapped():
-    log = CommitLog(window=2)
-    payload = tensor_payload(torch.arange(6.0).reshape(2, 3))
-    digest = log.commit(key(), payload)
-    log.verify(key(), payload, digest)
-    altered = tensor_payload(torch.arange(6.0).reshape(2, 3) * -1)
-    with pytest.raises(CommitmentError, match="does not match"):
-        log.verify(key(), altered, digest)
-    with pytest.raises(CommitmentError, match="does not match"):  # the same bytes at another step
-        log.verify(key(step=4), payload, digest)
-    with pytest.raises(CommitmentError, match="does not match"):  # the same values, another shape
-        log.verify(key(), tensor_payload(torch.arange(6.0).reshape(3, 2)), digest)
-    with pytest.raises(CommitmentError, match="already committed"):
-        log.commit(key(), altered)
-    assert log.commit(key(), payload) == digest  # committing the same again is harmless
-    log.commit(key(step=4), payload)
-    log.prune(5)  # the window keeps steps 4 and 5
-    assert len(log) == 1 and log.payload(key(step=4)) == payload
-    with pytest.raises(KeyError):
-        log.payload(key())
-    with pytest.raises(ValueError, match="direction"):
-        key(direction="sideways")
 
 
 def test_the_draw_is_a_keyed_sample_at_the_rate():

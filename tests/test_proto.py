@@ -104,7 +104,7 @@ def reserved(message: type) -> set[int]:
 def test_schema() -> None:
     assert PROTOCOL_VERSION == 2 == common_pb2.PROTOCOL_VERSION_CURRENT
     services = {s.name: [m.name for m in s.methods] for s in stage_pb2.DESCRIPTOR.services_by_name.values()}
-    assert services == {"Stage": ["Exchange", "Ping", "FetchSnapshot"]}
+    assert services == {"Stage": ["Exchange", "Ping", "FetchSnapshot", "FetchEvidence"]}
     coordinator = coordinator_pb2.DESCRIPTOR.services_by_name["Coordinator"]
     assert [m.name for m in coordinator.methods] == [
         "Join",
@@ -121,6 +121,7 @@ def test_schema() -> None:
         "ReportCheckpoint",
         "ReportFailure",
         "RequestCut",
+        "ReportAudit",
     ]
     methods = coordinator.methods_by_name
     upload = methods["UploadArtifact"]
@@ -142,8 +143,14 @@ def test_plan_schema() -> None:
         "replicas": 6,
         "upload_snapshots": 7,
         "rebuild": 8,
+        "evidence_secret": 9,
     }
-    assert fields(coordinator_pb2.StageReplica) == {"node_id": 1, "microbatches": 2, "averaging_address": 3}
+    assert fields(coordinator_pb2.StageReplica) == {
+        "node_id": 1,
+        "microbatches": 2,
+        "averaging_address": 3,
+        "address": 4,
+    }
     join = fields(coordinator_pb2.JoinReply)
     assert join["plan"] == 14 and join["run_complete"] == 15
     assert not {"stages", "links", "plan_epoch"} & join.keys()

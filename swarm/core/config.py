@@ -330,6 +330,35 @@ class ReplicaSyncConfig:
 
 
 SYNC_MODES = ("step", "outer")
+
+
+@dataclass
+class AuditConfig:
+    """Sampled recomputation (``swarm.runtime.audit``) between the replicas of a stage.
+
+    In runs with replicas averaging every step (``replica_sync.mode = "step"``: siblings hold the
+    same weights at every step), each replica recomputes each of its siblings' microbatches with
+    probability ``rate`` (its own private draw: the audited node cannot tell which), from the frames
+    the neighbouring stages' nodes kept (``window`` steps of them), and reports the comparison. A node
+    that ``confirmations`` distinct auditors found computing wrong is evicted and the run resumes from
+    the newest cut before it first hosted a stage. ``rate = 0`` turns audits off.
+    """
+
+    rate: float = 0.02
+    confirmations: int = 2
+    window: int = 4
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.rate <= 1.0:
+            raise ValueError(f"audit.rate={self.rate} must lie in [0, 1]")
+        if self.confirmations < 2:
+            raise ValueError(
+                f"audit.confirmations={self.confirmations} must be >= 2 (one auditor never evicts)"
+            )
+        if self.window < 2:
+            raise ValueError(f"audit.window={self.window} must be >= 2 steps")
+
+
 SYNC_FORMATS = ("fp64", "fp32", "bf16", "int8")
 
 
@@ -361,6 +390,7 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     emulation: EmulationConfig = field(default_factory=EmulationConfig)
     replica_sync: ReplicaSyncConfig = field(default_factory=ReplicaSyncConfig)
+    audit: AuditConfig = field(default_factory=AuditConfig)
     n_stages: int = 4
 
     def __post_init__(self) -> None:
@@ -468,6 +498,17 @@ class RunConfig:
         if self.checkpoint.interval:
             raise ValueError("compute emulation has no weights to snapshot: set checkpoint.interval = 0")
 
+    @property
+    def audits(self) -> bool:
+        """Whether replicas audit each other: a rate above 0, replicas that hold the same weights at
+        every step (averaging every step), and real layers (not emulated)."""
+        return (
+            self.audit.rate > 0
+            and self.train.replicas > 1
+            and self.replica_sync.mode == "step"
+            and not self.emulation.profile
+        )
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
@@ -475,7 +516,7 @@ class RunConfig:
     def from_dict(cls, d: dict[str, Any]) -> RunConfig:
         sections = {"model": ModelConfig, "codec": CodecConfig, "rotation": RotationConfig}
         sections |= {"train": TrainConfig, "data": DataConfig, "checkpoint": CheckpointConfig}
-        sections |= {"emulation": EmulationConfig, "replica_sync": ReplicaSyncConfig}
+        sections |= {"emulation": EmulationConfig, "replica_sync": ReplicaSyncConfig, "audit": AuditConfig}
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(d) - known
         if unknown:

@@ -59,6 +59,13 @@ class Metrics:
             registry=r,
         )
         self.checkpoint_age.set_function(lambda: time.time() - self._checkpoint_at)
+        self.audits = Counter(
+            "swarm_audits",
+            "Sampled recomputations of a sibling replica's microbatch (node: run here; coordinator: "
+            "reported), by outcome (match, mismatch, unavailable: the evidence was gone or unreachable)",
+            ["outcome"],
+            registry=r,
+        )
         if role == "node":
             self._node(r)
         else:
@@ -212,7 +219,8 @@ class Metrics:
         self.evictions = Counter(
             "swarm_evictions",
             "Nodes evicted: a neighbour received invalid frames from them (bad_input), they accused a "
-            "second neighbour (accuser), or their join token was revoked (revoked)",
+            "second neighbour (accuser), their join token was revoked (revoked), or distinct sibling "
+            "replicas' audits found them computing wrong (audit)",
             ["reason"],
             registry=r,
         )

@@ -76,6 +76,12 @@ def status_document(reply: cpb.StatusReply) -> dict:
         "rebuilt_stages": list(reply.rebuilt_stages),
         "commitment_checks": reply.commitment_checks,
         "commitment_mismatches": list(reply.commitment_mismatches),
+        "audits": {
+            "matched": reply.audits_matched,
+            "mismatched": reply.audits_mismatched,
+            "unavailable": reply.audits_unavailable,
+        },
+        "audit_lines": list(reply.audit_lines),
         "rates": {
             "steps": r.steps,
             "loss": r.loss if r.HasField("loss") else None,
@@ -113,6 +119,7 @@ def render(reply: cpb.StatusReply, coordinator: str) -> str:
     loss = f"{r['loss']:.4f}" if r["loss"] is not None else "-"
     state = "complete" if doc["run_complete"] else f"epoch {doc['plan_epoch']} from step {doc['resume_step']}"
     cut = doc["latest_cut"] if doc["latest_cut"] is not None else "-"
+    audits = doc["audits"]
     lines = [
         f"run {doc['run_id']} at {coordinator} ({time.strftime('%H:%M:%S')}): {state}",
         f"  step {doc['step'] if doc['steps_completed'] else '-'}  loss {loss}  "
@@ -127,6 +134,15 @@ def render(reply: cpb.StatusReply, coordinator: str) -> str:
         *(f"  bad snapshot holder: {line}" for line in doc["bad_holders"]),
         *(f"  {line}" for line in doc["rebuilt_stages"]),
         *(f"  frame commitments disagree: {line}" for line in doc["commitment_mismatches"]),
+        *(
+            [
+                f"  audits: {audits['matched']} matched, {audits['mismatched']} mismatched, "
+                f"{audits['unavailable']} unavailable"
+            ]
+            if any(audits.values())
+            else []
+        ),
+        *(f"  audit: {line}" for line in doc["audit_lines"]),
         *(
             f"  screen: {n['drifted_frames']} activation frames from node {n['node']} ({n['name']}) "
             "drifted from their moving statistics"

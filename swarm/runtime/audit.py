@@ -1,17 +1,20 @@
 """Checking that a stage computed what it claims: commitments, an unpredictable draw, recomputation.
 
-* **Commitments.** A boundary frame's payload is bound to where it belongs (run, epoch, step,
-  microbatch, stage, weight version, direction) by ``sha256(key || sha256(payload))``; the sender
-  keeps what it sent for a window of steps (:class:`CommitLog`), so it cannot later claim it sent
-  something else, and a payload whose commitment does not match is refused (:class:`CommitmentError`).
-* **The draw.** Which microbatches of a step are audited is ``HMAC(secret, step/stage/microbatch)``
-  below ``rate``: a secret the coordinator reveals only after the step's commitments, so a node
-  cannot tell in advance which of its microbatches will be checked (:func:`drawn`).
-* **Recomputation.** An auditor holding the stage's weights at that version recomputes its output
-  (forward) and its input gradient (backward) from the committed inputs and compares them with the
-  claimed ones by relative L2 error and cosine (:func:`compare`) against a tolerance for the pair
-  of devices and precisions involved (:data:`TOLERANCES`). A sign flip is a relative error of 2, noise
-  of the same norm ~1.4; the tolerances are orders of magnitude below.
+* **Commitments.** A boundary frame is bound to where it belongs (boundary, direction, step,
+  microbatch, weight version) and every byte it carries by :func:`frame_digest`; each node sums the
+  digests of what its streams sent and received per step (:class:`CommitmentTally`), the
+  coordinator compares senders' and receivers' sums, and nodes keep the frames themselves for a
+  window of steps, for auditors.
+* **The draw.** Each microbatch is audited independently with probability ``rate``, drawn by its
+  auditor from randomness the audited node never sees (the bench simulates it keyed,
+  :func:`drawn`), so a node cannot tell which of its microbatches will be checked.
+* **Recomputation.** An auditor holding the stage's weights as they stood when the step began
+  (:class:`StageState`: a sibling replica, whose weights are the same every step) recomputes its
+  output (forward) and its input gradient (backward) from the frames its neighbours kept
+  (:class:`Evidence`) and compares them with the claimed ones by relative L2 error and cosine
+  (:func:`compare`, :class:`StageAuditor`) against a tolerance for the pair of devices and
+  precisions involved (:data:`TOLERANCES`). A sign flip is a relative error of 2, noise of the same
+  norm ~1.4; the tolerances are orders of magnitude below.
 """
 
 from __future__ import annotations
@@ -19,84 +22,16 @@ from __future__ import annotations
 import hashlib
 import hmac
 import json
-import struct
-from dataclasses import asdict, dataclass
+import threading
+from dataclasses import dataclass
 
 import torch
 
+from swarm.core.subspace import SubspaceRotation
 from swarm.runtime.wire import ActivationFrame, GradientFrame
+from swarm.runtime.worker import StageWorker
 
 DIRECTIONS = ("forward", "backward")
-
-
-class CommitmentError(ValueError):
-    """A payload that was not committed, or differs from what was."""
-
-
-@dataclass(frozen=True)
-class FrameKey:
-    """Where a boundary payload belongs; ``stage`` is its sender."""
-
-    run: str
-    epoch: int
-    step: int
-    microbatch: int
-    stage: int
-    version: int  # the sender's weight version (its optimizer steps so far)
-    direction: str
-
-    def __post_init__(self) -> None:
-        if self.direction not in DIRECTIONS:
-            raise ValueError(f"direction {self.direction!r} must be one of {DIRECTIONS}")
-
-    def encode(self) -> bytes:
-        return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()
-
-
-def commitment(key: FrameKey, payload: bytes) -> str:
-    """The hex commitment of ``payload`` at ``key``."""
-    return hashlib.sha256(key.encode() + b"\0" + hashlib.sha256(payload).digest()).hexdigest()
-
-
-def tensor_payload(t: torch.Tensor) -> bytes:
-    """A tensor's bytes with its dtype and shape (what a commitment over a decoded tensor covers)."""
-    t = t.detach().contiguous().cpu()
-    head = json.dumps({"dtype": str(t.dtype), "shape": list(t.shape)}).encode()
-    return struct.pack("<I", len(head)) + head + t.view(torch.uint8).numpy().tobytes()
-
-
-class CommitLog:
-    """What one node committed to (and kept), for the last ``window`` steps."""
-
-    def __init__(self, window: int):
-        if window < 1:
-            raise ValueError(f"window={window} must be >= 1")
-        self.window = window
-        self._kept: dict[FrameKey, tuple[str, bytes]] = {}
-
-    def commit(self, key: FrameKey, payload: bytes) -> str:
-        """Commit to ``payload`` at ``key`` (once: a second, different payload is refused)."""
-        digest = commitment(key, payload)
-        if key in self._kept and self._kept[key][0] != digest:
-            raise CommitmentError(f"{key} was already committed to another payload")
-        self._kept[key] = (digest, payload)
-        return digest
-
-    def verify(self, key: FrameKey, payload: bytes, digest: str) -> None:
-        """Refuse ``payload`` unless it is what ``digest`` committed to at ``key``."""
-        if commitment(key, payload) != digest:
-            raise CommitmentError(f"the payload of {key} does not match its commitment")
-
-    def payload(self, key: FrameKey) -> bytes:
-        """The kept payload of ``key`` (for an auditor); KeyError once pruned or never committed."""
-        return self._kept[key][1]
-
-    def prune(self, step: int) -> None:
-        """Forget what is older than the window ending at ``step``."""
-        self._kept = {k: v for k, v in self._kept.items() if k.step > step - self.window}
-
-    def __len__(self) -> int:
-        return len(self._kept)
 
 
 def drawn(secret: bytes, step: int, stage: int, microbatches: int, rate: float) -> list[int]:
@@ -213,10 +148,15 @@ class FrameTally:
 
 
 class CommitmentTally:
-    """What a node's boundary streams sent and received, step by step (:func:`frame_digest`)."""
+    """What a node's boundary streams sent and received, step by step (:func:`frame_digest`), and
+    the frames themselves for the last ``window`` steps (0: none kept), for auditors
+    (:meth:`kept`; ``Stage.FetchEvidence``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, window: int = 0) -> None:
+        self.window = window
         self._steps: dict[int, dict[tuple[int, str], FrameTally]] = {}
+        self._frames: dict[tuple[int, int, str, int, str], ActivationFrame | GradientFrame] = {}
+        self._newest = -1
 
     def record(self, side: str, boundary: int, frame: ActivationFrame | GradientFrame) -> None:
         """A frame ``side`` ("sent" or "received") on ``boundary``."""
@@ -228,6 +168,22 @@ class CommitmentTally:
             tally.add(digest, 0, 1, 0)
         else:
             tally.add(0, digest, 0, 1)
+        if self.window:
+            self._frames[(frame.step, boundary, direction, frame.microbatch, side)] = frame
+            if frame.step > self._newest:
+                self._newest = frame.step
+                self._frames = {k: f for k, f in self._frames.items() if k[0] > frame.step - self.window}
+
+    def kept(
+        self, step: int, boundary: int, direction: str, microbatch: int, side: str
+    ) -> ActivationFrame | GradientFrame | None:
+        """The frame kept for these coordinates (None: never seen, or older than the window)."""
+        return self._frames.get((step, boundary, direction, microbatch, side))
+
+    def new_epoch(self) -> None:
+        """Forget the kept frames: a new plan epoch may run the same step numbers again."""
+        self._frames.clear()
+        self._newest = -1
 
     def take(self, step: int) -> list[FrameTally]:
         """The tallies of ``step`` (forgetting it and every earlier step: they will not be reported)."""
@@ -235,3 +191,114 @@ class CommitmentTally:
         for old in [s for s in self._steps if s < step]:
             del self._steps[old]
         return sorted(taken.values(), key=lambda t: (t.boundary, t.direction))
+
+
+# -- recomputing a sibling's microbatch ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StageState:
+    """A stage's weights as they stood when a step began (before the step's pending rotation):
+    what every replica of it computed that step's microbatches with."""
+
+    step: int
+    weights: dict[str, torch.Tensor]
+    version: int
+    pending_rotation: SubspaceRotation | None
+
+    @classmethod
+    def capture(cls, worker: StageWorker, step: int) -> StageState:
+        weights = {k: v.detach().clone() for k, v in worker.stage.state_dict().items()}
+        return cls(step, weights, worker.version, worker.pending_rotation)
+
+
+@dataclass(frozen=True)
+class Evidence:
+    """What one microbatch of a stage crossed its boundaries with, as its neighbours kept it:
+    ``inputs`` (the activation it received; None on stage 0), ``output`` (the activation it sent;
+    None on the last stage, whose token ids come from ``inputs``), ``grad_out`` (the gradient it
+    received; None on the last stage) and ``grad_in`` (the gradient it sent; None on stage 0)."""
+
+    inputs: ActivationFrame | None
+    output: ActivationFrame | None
+    grad_out: GradientFrame | None
+    grad_in: GradientFrame | None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """An audit's outcome: the forward and backward comparisons (None: not checked) against ``tolerance``."""
+
+    forward: Comparison | None
+    backward: Comparison | None
+    tolerance: Tolerance
+
+    @property
+    def matches(self) -> bool:
+        return all(c.within(self.tolerance) for c in (self.forward, self.backward) if c is not None)
+
+    @property
+    def deciding(self) -> tuple[str, Comparison | None]:
+        """The direction that failed (or, on a match, the first checked) and its comparison."""
+        checked = [(d, c) for d, c in zip(DIRECTIONS, (self.forward, self.backward), strict=True) if c]
+        failed = [(d, c) for d, c in checked if not c.within(self.tolerance)]
+        return (failed or checked or [("", None)])[0]
+
+
+class StageAuditor:
+    """A private copy of stage ``index`` that recomputes a sibling's microbatch at a
+    :class:`StageState` from :class:`Evidence` and compares with what the sibling sent.
+
+    ``tolerance``: how far an honest sibling may be (:data:`TOLERANCES`; auditors do not know the
+    audited node's device, so nodes use the cross-device one for their precision)."""
+
+    def __init__(self, config, index: int, fixed_embedding, basis, device, dtype, tolerance: Tolerance):
+        self.worker = StageWorker(config, index, fixed_embedding, basis, device, dtype)
+        self.tolerance = tolerance
+        self._lock = threading.Lock()  # one recomputation at a time on the private copy
+
+    def check(self, state: StageState, microbatch: int, evidence: Evidence) -> Verdict:
+        """Recompute the microbatch: its output (not on the last stage) and, given the gradient it
+        received, its input gradient (not on stage 0). Malformed evidence raises ``PayloadError``.
+        Thread-safe (checks run one at a time)."""
+        with self._lock:
+            return self._check(state, microbatch, evidence)
+
+    def _check(self, state: StageState, microbatch: int, evidence: Evidence) -> Verdict:
+        w = self._at(state)
+        step, version = state.step, w.version
+        if w.is_first:
+            if evidence.output is None:
+                raise ValueError("stage 0's audit needs its output frame (the token ids ride on it)")
+            _, source = w.outbound.decode_activation(evidence.output, version, w.device, w.dtype)
+        else:
+            if evidence.inputs is None:
+                raise ValueError(f"stage {w.index}'s audit needs its input frame")
+            source = evidence.inputs
+        backward = not w.is_first and evidence.grad_in is not None
+        backward = backward and (w.is_last or evidence.grad_out is not None)
+        out = w.forward(step, microbatch, source, train=backward)
+        forward = None
+        if not w.is_last and evidence.output is not None:
+            ref, _ = w.outbound.decode_activation(out, version, w.device, w.dtype)
+            claimed, _ = w.outbound.decode_activation(evidence.output, version, w.device, w.dtype)
+            forward = compare(ref, claimed)
+        grads = None
+        if backward:
+            mine = w.backward(step, microbatch, None if w.is_last else evidence.grad_out)
+            inputs = evidence.inputs
+            shape = torch.Size([inputs.batch, inputs.seq_len, w.inbound.map.width])
+            ref = w.inbound.decode_gradient(mine, version, shape, w.device, w.dtype)
+            claimed = w.inbound.decode_gradient(evidence.grad_in, version, shape, w.device, w.dtype)
+            grads = compare(ref, claimed)
+        return Verdict(forward, grads, self.tolerance)
+
+    def _at(self, state: StageState) -> StageWorker:
+        """The private worker at ``state``, ready for the step's microbatches."""
+        w = self.worker
+        with torch.no_grad():
+            w.stage.load_state_dict(state.weights)
+        w.stage.zero_grad(set_to_none=True)
+        w.version, w.pending_rotation = state.version, state.pending_rotation
+        w.begin_step(state.step)
+        return w

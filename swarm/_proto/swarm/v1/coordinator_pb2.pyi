@@ -107,7 +107,7 @@ class SnapshotHolder(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., certificate: _Optional[str] = ..., access: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "stages", "links", "resume_step", "restore", "replicas", "upload_snapshots", "rebuild")
+    __slots__ = ("epoch", "stages", "links", "resume_step", "restore", "replicas", "upload_snapshots", "rebuild", "evidence_secret")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
@@ -116,6 +116,7 @@ class Plan(_message.Message):
     REPLICAS_FIELD_NUMBER: _ClassVar[int]
     UPLOAD_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     REBUILD_FIELD_NUMBER: _ClassVar[int]
+    EVIDENCE_SECRET_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     stages: _containers.RepeatedScalarFieldContainer[int]
     links: _containers.RepeatedCompositeFieldContainer[BoundaryLink]
@@ -124,17 +125,20 @@ class Plan(_message.Message):
     replicas: _containers.RepeatedCompositeFieldContainer[StageReplicas]
     upload_snapshots: bool
     rebuild: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., resume_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageReplicas, _Mapping]]] = ..., upload_snapshots: _Optional[bool] = ..., rebuild: _Optional[_Iterable[int]] = ...) -> None: ...
+    evidence_secret: str
+    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., resume_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageReplicas, _Mapping]]] = ..., upload_snapshots: _Optional[bool] = ..., rebuild: _Optional[_Iterable[int]] = ..., evidence_secret: _Optional[str] = ...) -> None: ...
 
 class StageReplica(_message.Message):
-    __slots__ = ("node_id", "microbatches", "averaging_address")
+    __slots__ = ("node_id", "microbatches", "averaging_address", "address")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     MICROBATCHES_FIELD_NUMBER: _ClassVar[int]
     AVERAGING_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     microbatches: _containers.RepeatedScalarFieldContainer[int]
     averaging_address: str
-    def __init__(self, node_id: _Optional[str] = ..., microbatches: _Optional[_Iterable[int]] = ..., averaging_address: _Optional[str] = ...) -> None: ...
+    address: str
+    def __init__(self, node_id: _Optional[str] = ..., microbatches: _Optional[_Iterable[int]] = ..., averaging_address: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class StageReplicas(_message.Message):
     __slots__ = ("stage", "replicas")
@@ -285,6 +289,36 @@ class CutRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ...) -> None: ...
 
 class CutAck(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AuditReport(_message.Message):
+    __slots__ = ("node_id", "plan_epoch", "stage", "step", "microbatch", "audited_node_id", "outcome", "direction", "rel_l2", "cosine", "detail")
+    NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STAGE_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    AUDITED_NODE_ID_FIELD_NUMBER: _ClassVar[int]
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    REL_L2_FIELD_NUMBER: _ClassVar[int]
+    COSINE_FIELD_NUMBER: _ClassVar[int]
+    DETAIL_FIELD_NUMBER: _ClassVar[int]
+    node_id: str
+    plan_epoch: int
+    stage: int
+    step: int
+    microbatch: int
+    audited_node_id: str
+    outcome: str
+    direction: str
+    rel_l2: float
+    cosine: float
+    detail: str
+    def __init__(self, node_id: _Optional[str] = ..., plan_epoch: _Optional[int] = ..., stage: _Optional[int] = ..., step: _Optional[int] = ..., microbatch: _Optional[int] = ..., audited_node_id: _Optional[str] = ..., outcome: _Optional[str] = ..., direction: _Optional[str] = ..., rel_l2: _Optional[float] = ..., cosine: _Optional[float] = ..., detail: _Optional[str] = ...) -> None: ...
+
+class AuditAck(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
@@ -497,7 +531,7 @@ class NodeStatus(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., node_name: _Optional[str] = ..., address: _Optional[str] = ..., stages: _Optional[_Iterable[int]] = ..., last_heartbeat_age_s: _Optional[float] = ..., alive: _Optional[bool] = ..., device: _Optional[str] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., step: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., left: _Optional[bool] = ..., last_stages: _Optional[_Iterable[int]] = ..., reachable: _Optional[bool] = ..., drifted_frames: _Optional[int] = ...) -> None: ...
 
 class StatusReply(_message.Message):
-    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps", "plan_epoch", "resume_step", "latest_cut", "run_complete", "epochs_restarted", "rates", "plan_problems", "relayed_links", "snapshot_holding", "bad_holders", "rebuilt_stages", "commitment_checks", "commitment_mismatches")
+    __slots__ = ("run_id", "step", "subspace_version", "nodes", "config_hash", "steps_completed", "steps", "plan_epoch", "resume_step", "latest_cut", "run_complete", "epochs_restarted", "rates", "plan_problems", "relayed_links", "snapshot_holding", "bad_holders", "rebuilt_stages", "commitment_checks", "commitment_mismatches", "audits_matched", "audits_mismatched", "audits_unavailable", "audit_lines")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -518,6 +552,10 @@ class StatusReply(_message.Message):
     REBUILT_STAGES_FIELD_NUMBER: _ClassVar[int]
     COMMITMENT_CHECKS_FIELD_NUMBER: _ClassVar[int]
     COMMITMENT_MISMATCHES_FIELD_NUMBER: _ClassVar[int]
+    AUDITS_MATCHED_FIELD_NUMBER: _ClassVar[int]
+    AUDITS_MISMATCHED_FIELD_NUMBER: _ClassVar[int]
+    AUDITS_UNAVAILABLE_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_LINES_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     step: int
     subspace_version: int
@@ -538,7 +576,11 @@ class StatusReply(_message.Message):
     rebuilt_stages: _containers.RepeatedScalarFieldContainer[str]
     commitment_checks: int
     commitment_mismatches: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., latest_cut: _Optional[int] = ..., run_complete: _Optional[bool] = ..., epochs_restarted: _Optional[int] = ..., rates: _Optional[_Union[RunRates, _Mapping]] = ..., plan_problems: _Optional[_Iterable[str]] = ..., relayed_links: _Optional[_Iterable[str]] = ..., snapshot_holding: _Optional[str] = ..., bad_holders: _Optional[_Iterable[str]] = ..., rebuilt_stages: _Optional[_Iterable[str]] = ..., commitment_checks: _Optional[int] = ..., commitment_mismatches: _Optional[_Iterable[str]] = ...) -> None: ...
+    audits_matched: int
+    audits_mismatched: int
+    audits_unavailable: int
+    audit_lines: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, run_id: _Optional[str] = ..., step: _Optional[int] = ..., subspace_version: _Optional[int] = ..., nodes: _Optional[_Iterable[_Union[NodeStatus, _Mapping]]] = ..., config_hash: _Optional[str] = ..., steps_completed: _Optional[int] = ..., steps: _Optional[_Iterable[_Union[StepSummary, _Mapping]]] = ..., plan_epoch: _Optional[int] = ..., resume_step: _Optional[int] = ..., latest_cut: _Optional[int] = ..., run_complete: _Optional[bool] = ..., epochs_restarted: _Optional[int] = ..., rates: _Optional[_Union[RunRates, _Mapping]] = ..., plan_problems: _Optional[_Iterable[str]] = ..., relayed_links: _Optional[_Iterable[str]] = ..., snapshot_holding: _Optional[str] = ..., bad_holders: _Optional[_Iterable[str]] = ..., rebuilt_stages: _Optional[_Iterable[str]] = ..., commitment_checks: _Optional[int] = ..., commitment_mismatches: _Optional[_Iterable[str]] = ..., audits_matched: _Optional[int] = ..., audits_mismatched: _Optional[int] = ..., audits_unavailable: _Optional[int] = ..., audit_lines: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class RunRates(_message.Message):
     __slots__ = ("steps", "loss", "tokens_per_second", "bytes_per_token", "compression_ratio")

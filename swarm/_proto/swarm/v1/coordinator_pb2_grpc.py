@@ -112,6 +112,11 @@ class CoordinatorStub:
                 request_serializer=swarm_dot_v1_dot_coordinator__pb2.CutRequest.SerializeToString,
                 response_deserializer=swarm_dot_v1_dot_coordinator__pb2.CutAck.FromString,
                 _registered_method=True)
+        self.ReportAudit = channel.unary_unary(
+                '/swarm.v1.Coordinator/ReportAudit',
+                request_serializer=swarm_dot_v1_dot_coordinator__pb2.AuditReport.SerializeToString,
+                response_deserializer=swarm_dot_v1_dot_coordinator__pb2.AuditAck.FromString,
+                _registered_method=True)
 
 
 class CoordinatorServicer:
@@ -222,6 +227,13 @@ class CoordinatorServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ReportAudit(self, request, context):
+        """An auditor's recomputation of a sibling replica's microbatch (swarm.runtime.audit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CoordinatorServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -294,6 +306,11 @@ def add_CoordinatorServicer_to_server(servicer, server):
                     servicer.RequestCut,
                     request_deserializer=swarm_dot_v1_dot_coordinator__pb2.CutRequest.FromString,
                     response_serializer=swarm_dot_v1_dot_coordinator__pb2.CutAck.SerializeToString,
+            ),
+            'ReportAudit': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReportAudit,
+                    request_deserializer=swarm_dot_v1_dot_coordinator__pb2.AuditReport.FromString,
+                    response_serializer=swarm_dot_v1_dot_coordinator__pb2.AuditAck.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -681,6 +698,33 @@ class Coordinator:
             '/swarm.v1.Coordinator/RequestCut',
             swarm_dot_v1_dot_coordinator__pb2.CutRequest.SerializeToString,
             swarm_dot_v1_dot_coordinator__pb2.CutAck.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReportAudit(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.v1.Coordinator/ReportAudit',
+            swarm_dot_v1_dot_coordinator__pb2.AuditReport.SerializeToString,
+            swarm_dot_v1_dot_coordinator__pb2.AuditAck.FromString,
             options,
             channel_credentials,
             insecure,

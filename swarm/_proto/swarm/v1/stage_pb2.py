@@ -25,31 +25,35 @@ _sym_db = _symbol_database.Default()
 from swarm._proto.swarm.v1 import common_pb2 as swarm_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14swarm/v1/stage.proto\x12\x08swarm.v1\x1a\x15swarm/v1/common.proto\"V\n\x0fSnapshotRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\x12\x0e\n\x06\x63hunks\x18\x03 \x03(\r\x12\x0e\n\x06\x61\x63\x63\x65ss\x18\x04 \x01(\t\",\n\rSnapshotChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xe0\x01\n\x0cStageMessage\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x0f.swarm.v1.HelloH\x00\x12/\n\nactivation\x18\x02 \x01(\x0b\x32\x19.swarm.v1.ActivationFrameH\x00\x12+\n\x08gradient\x18\x03 \x01(\x0b\x32\x17.swarm.v1.GradientFrameH\x00\x12&\n\x04sync\x18\x04 \x01(\x0b\x32\x16.swarm.v1.BoundarySyncH\x00\x12 \n\x05\x65rror\x18\x05 \x01(\x0b\x32\x0f.swarm.v1.ErrorH\x00\x42\x06\n\x04\x62ody\"\xa0\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x03 \x01(\t\x12\x10\n\x08\x62oundary\x18\x04 \x01(\r\x12\r\n\x05stage\x18\x05 \x01(\r\x12\x12\n\nauth_token\x18\x06 \x01(\t\x12\x0f\n\x07node_id\x18\x07 \x01(\t\x12\x12\n\nplan_epoch\x18\x08 \x01(\x04\"w\n\x0c\x42oundarySync\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x10\n\x08\x62oundary\x18\x02 \x01(\r\x12\x16\n\x0emapl_gradients\x18\x03 \x01(\x0c\x12\x16\n\x0e\x63odebook_delta\x18\x04 \x01(\x0c\x12\x17\n\x0fmapl_projection\x18\x05 \x01(\x0c\";\n\x05\x45rror\x12!\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x13.swarm.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x1c\n\x0bPingRequest\x12\r\n\x05nonce\x18\x01 \x01(\x04\"U\n\tPingReply\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0e\n\x06stages\x18\x04 \x03(\r*\xd9\x02\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_PROTOCOL_VERSION\x10\x01\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\x02\x12\x1e\n\x1a\x45RROR_CODE_CONFIG_MISMATCH\x10\x03\x12\x1d\n\x19\x45RROR_CODE_WRONG_BOUNDARY\x10\x04\x12\x1a\n\x16\x45RROR_CODE_BAD_PAYLOAD\x10\x05\x12\x1f\n\x1b\x45RROR_CODE_SUBSPACE_VERSION\x10\x06\x12!\n\x1d\x45RROR_CODE_UNEXPECTED_MESSAGE\x10\x07\x12\x1c\n\x18\x45RROR_CODE_SHUTTING_DOWN\x10\x08\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\t\x12\x19\n\x15\x45RROR_CODE_PLAN_EPOCH\x10\n2\xc2\x01\n\x05Stage\x12>\n\x08\x45xchange\x12\x16.swarm.v1.StageMessage\x1a\x16.swarm.v1.StageMessage(\x01\x30\x01\x12\x32\n\x04Ping\x12\x15.swarm.v1.PingRequest\x1a\x13.swarm.v1.PingReply\x12\x45\n\rFetchSnapshot\x12\x19.swarm.v1.SnapshotRequest\x1a\x17.swarm.v1.SnapshotChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x14swarm/v1/stage.proto\x12\x08swarm.v1\x1a\x15swarm/v1/common.proto\"v\n\x0f\x45videnceRequest\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x10\n\x08\x62oundary\x18\x02 \x01(\r\x12\x11\n\tdirection\x18\x03 \x01(\t\x12\x12\n\nmicrobatch\x18\x04 \x01(\r\x12\x0c\n\x04side\x18\x05 \x01(\t\x12\x0e\n\x06\x61\x63\x63\x65ss\x18\x06 \x01(\t\"v\n\rEvidenceReply\x12/\n\nactivation\x18\x01 \x01(\x0b\x32\x19.swarm.v1.ActivationFrameH\x00\x12+\n\x08gradient\x18\x02 \x01(\x0b\x32\x17.swarm.v1.GradientFrameH\x00\x42\x07\n\x05\x66rame\"V\n\x0fSnapshotRequest\x12\x0e\n\x06\x64igest\x18\x01 \x01(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x02 \x01(\r\x12\x0e\n\x06\x63hunks\x18\x03 \x03(\r\x12\x0e\n\x06\x61\x63\x63\x65ss\x18\x04 \x01(\t\",\n\rSnapshotChunk\x12\r\n\x05index\x18\x01 \x01(\r\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\xe0\x01\n\x0cStageMessage\x12 \n\x05hello\x18\x01 \x01(\x0b\x32\x0f.swarm.v1.HelloH\x00\x12/\n\nactivation\x18\x02 \x01(\x0b\x32\x19.swarm.v1.ActivationFrameH\x00\x12+\n\x08gradient\x18\x03 \x01(\x0b\x32\x17.swarm.v1.GradientFrameH\x00\x12&\n\x04sync\x18\x04 \x01(\x0b\x32\x16.swarm.v1.BoundarySyncH\x00\x12 \n\x05\x65rror\x18\x05 \x01(\x0b\x32\x0f.swarm.v1.ErrorH\x00\x42\x06\n\x04\x62ody\"\xa0\x01\n\x05Hello\x12\x18\n\x10protocol_version\x18\x01 \x01(\r\x12\x0e\n\x06run_id\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x03 \x01(\t\x12\x10\n\x08\x62oundary\x18\x04 \x01(\r\x12\r\n\x05stage\x18\x05 \x01(\r\x12\x12\n\nauth_token\x18\x06 \x01(\t\x12\x0f\n\x07node_id\x18\x07 \x01(\t\x12\x12\n\nplan_epoch\x18\x08 \x01(\x04\"w\n\x0c\x42oundarySync\x12\x0c\n\x04step\x18\x01 \x01(\x04\x12\x10\n\x08\x62oundary\x18\x02 \x01(\r\x12\x16\n\x0emapl_gradients\x18\x03 \x01(\x0c\x12\x16\n\x0e\x63odebook_delta\x18\x04 \x01(\x0c\x12\x17\n\x0fmapl_projection\x18\x05 \x01(\x0c\";\n\x05\x45rror\x12!\n\x04\x63ode\x18\x01 \x01(\x0e\x32\x13.swarm.v1.ErrorCode\x12\x0f\n\x07message\x18\x02 \x01(\t\"\x1c\n\x0bPingRequest\x12\r\n\x05nonce\x18\x01 \x01(\x04\"U\n\tPingReply\x12\r\n\x05nonce\x18\x01 \x01(\x04\x12\x18\n\x10protocol_version\x18\x02 \x01(\r\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x0e\n\x06stages\x18\x04 \x03(\r*\xd9\x02\n\tErrorCode\x12\x1a\n\x16\x45RROR_CODE_UNSPECIFIED\x10\x00\x12\x1f\n\x1b\x45RROR_CODE_PROTOCOL_VERSION\x10\x01\x12\x1e\n\x1a\x45RROR_CODE_UNAUTHENTICATED\x10\x02\x12\x1e\n\x1a\x45RROR_CODE_CONFIG_MISMATCH\x10\x03\x12\x1d\n\x19\x45RROR_CODE_WRONG_BOUNDARY\x10\x04\x12\x1a\n\x16\x45RROR_CODE_BAD_PAYLOAD\x10\x05\x12\x1f\n\x1b\x45RROR_CODE_SUBSPACE_VERSION\x10\x06\x12!\n\x1d\x45RROR_CODE_UNEXPECTED_MESSAGE\x10\x07\x12\x1c\n\x18\x45RROR_CODE_SHUTTING_DOWN\x10\x08\x12\x17\n\x13\x45RROR_CODE_INTERNAL\x10\t\x12\x19\n\x15\x45RROR_CODE_PLAN_EPOCH\x10\n2\x87\x02\n\x05Stage\x12>\n\x08\x45xchange\x12\x16.swarm.v1.StageMessage\x1a\x16.swarm.v1.StageMessage(\x01\x30\x01\x12\x32\n\x04Ping\x12\x15.swarm.v1.PingRequest\x1a\x13.swarm.v1.PingReply\x12\x45\n\rFetchSnapshot\x12\x19.swarm.v1.SnapshotRequest\x1a\x17.swarm.v1.SnapshotChunk0\x01\x12\x43\n\rFetchEvidence\x12\x19.swarm.v1.EvidenceRequest\x1a\x17.swarm.v1.EvidenceReplyb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'swarm.v1.stage_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORCODE']._serialized_start=881
-  _globals['_ERRORCODE']._serialized_end=1226
-  _globals['_SNAPSHOTREQUEST']._serialized_start=57
-  _globals['_SNAPSHOTREQUEST']._serialized_end=143
-  _globals['_SNAPSHOTCHUNK']._serialized_start=145
-  _globals['_SNAPSHOTCHUNK']._serialized_end=189
-  _globals['_STAGEMESSAGE']._serialized_start=192
-  _globals['_STAGEMESSAGE']._serialized_end=416
-  _globals['_HELLO']._serialized_start=419
-  _globals['_HELLO']._serialized_end=579
-  _globals['_BOUNDARYSYNC']._serialized_start=581
-  _globals['_BOUNDARYSYNC']._serialized_end=700
-  _globals['_ERROR']._serialized_start=702
-  _globals['_ERROR']._serialized_end=761
-  _globals['_PINGREQUEST']._serialized_start=763
-  _globals['_PINGREQUEST']._serialized_end=791
-  _globals['_PINGREPLY']._serialized_start=793
-  _globals['_PINGREPLY']._serialized_end=878
-  _globals['_STAGE']._serialized_start=1229
-  _globals['_STAGE']._serialized_end=1423
+  _globals['_ERRORCODE']._serialized_start=1121
+  _globals['_ERRORCODE']._serialized_end=1466
+  _globals['_EVIDENCEREQUEST']._serialized_start=57
+  _globals['_EVIDENCEREQUEST']._serialized_end=175
+  _globals['_EVIDENCEREPLY']._serialized_start=177
+  _globals['_EVIDENCEREPLY']._serialized_end=295
+  _globals['_SNAPSHOTREQUEST']._serialized_start=297
+  _globals['_SNAPSHOTREQUEST']._serialized_end=383
+  _globals['_SNAPSHOTCHUNK']._serialized_start=385
+  _globals['_SNAPSHOTCHUNK']._serialized_end=429
+  _globals['_STAGEMESSAGE']._serialized_start=432
+  _globals['_STAGEMESSAGE']._serialized_end=656
+  _globals['_HELLO']._serialized_start=659
+  _globals['_HELLO']._serialized_end=819
+  _globals['_BOUNDARYSYNC']._serialized_start=821
+  _globals['_BOUNDARYSYNC']._serialized_end=940
+  _globals['_ERROR']._serialized_start=942
+  _globals['_ERROR']._serialized_end=1001
+  _globals['_PINGREQUEST']._serialized_start=1003
+  _globals['_PINGREQUEST']._serialized_end=1031
+  _globals['_PINGREPLY']._serialized_start=1033
+  _globals['_PINGREPLY']._serialized_end=1118
+  _globals['_STAGE']._serialized_start=1469
+  _globals['_STAGE']._serialized_end=1732
 # @@protoc_insertion_point(module_scope)

@@ -33,6 +33,30 @@ ERROR_CODE_SHUTTING_DOWN: ErrorCode
 ERROR_CODE_INTERNAL: ErrorCode
 ERROR_CODE_PLAN_EPOCH: ErrorCode
 
+class EvidenceRequest(_message.Message):
+    __slots__ = ("step", "boundary", "direction", "microbatch", "side", "access")
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    BOUNDARY_FIELD_NUMBER: _ClassVar[int]
+    DIRECTION_FIELD_NUMBER: _ClassVar[int]
+    MICROBATCH_FIELD_NUMBER: _ClassVar[int]
+    SIDE_FIELD_NUMBER: _ClassVar[int]
+    ACCESS_FIELD_NUMBER: _ClassVar[int]
+    step: int
+    boundary: int
+    direction: str
+    microbatch: int
+    side: str
+    access: str
+    def __init__(self, step: _Optional[int] = ..., boundary: _Optional[int] = ..., direction: _Optional[str] = ..., microbatch: _Optional[int] = ..., side: _Optional[str] = ..., access: _Optional[str] = ...) -> None: ...
+
+class EvidenceReply(_message.Message):
+    __slots__ = ("activation", "gradient")
+    ACTIVATION_FIELD_NUMBER: _ClassVar[int]
+    GRADIENT_FIELD_NUMBER: _ClassVar[int]
+    activation: _common_pb2.ActivationFrame
+    gradient: _common_pb2.GradientFrame
+    def __init__(self, activation: _Optional[_Union[_common_pb2.ActivationFrame, _Mapping]] = ..., gradient: _Optional[_Union[_common_pb2.GradientFrame, _Mapping]] = ...) -> None: ...
+
 class SnapshotRequest(_message.Message):
     __slots__ = ("digest", "chunk_bytes", "chunks", "access")
     DIGEST_FIELD_NUMBER: _ClassVar[int]

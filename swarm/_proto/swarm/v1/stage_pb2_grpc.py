@@ -49,6 +49,11 @@ class StageStub:
                 request_serializer=swarm_dot_v1_dot_stage__pb2.SnapshotRequest.SerializeToString,
                 response_deserializer=swarm_dot_v1_dot_stage__pb2.SnapshotChunk.FromString,
                 _registered_method=True)
+        self.FetchEvidence = channel.unary_unary(
+                '/swarm.v1.Stage/FetchEvidence',
+                request_serializer=swarm_dot_v1_dot_stage__pb2.EvidenceRequest.SerializeToString,
+                response_deserializer=swarm_dot_v1_dot_stage__pb2.EvidenceReply.FromString,
+                _registered_method=True)
 
 
 class StageServicer:
@@ -79,6 +84,15 @@ class StageServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def FetchEvidence(self, request, context):
+        """A boundary frame this node sent or received in the last audit.window steps, for an auditor
+        recomputing a neighbouring stage (swarm.runtime.audit). Refused (PERMISSION_DENIED) without the
+        epoch's Plan.evidence_secret, NOT_FOUND for a frame this node does not keep.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_StageServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +110,11 @@ def add_StageServicer_to_server(servicer, server):
                     servicer.FetchSnapshot,
                     request_deserializer=swarm_dot_v1_dot_stage__pb2.SnapshotRequest.FromString,
                     response_serializer=swarm_dot_v1_dot_stage__pb2.SnapshotChunk.SerializeToString,
+            ),
+            'FetchEvidence': grpc.unary_unary_rpc_method_handler(
+                    servicer.FetchEvidence,
+                    request_deserializer=swarm_dot_v1_dot_stage__pb2.EvidenceRequest.FromString,
+                    response_serializer=swarm_dot_v1_dot_stage__pb2.EvidenceReply.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -179,6 +198,33 @@ class Stage:
             '/swarm.v1.Stage/FetchSnapshot',
             swarm_dot_v1_dot_stage__pb2.SnapshotRequest.SerializeToString,
             swarm_dot_v1_dot_stage__pb2.SnapshotChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def FetchEvidence(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/swarm.v1.Stage/FetchEvidence',
+            swarm_dot_v1_dot_stage__pb2.EvidenceRequest.SerializeToString,
+            swarm_dot_v1_dot_stage__pb2.EvidenceReply.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,66 @@
+"""Audits in a live swarm: a replica that lies is recomputed by its two siblings, evicted, and the
+run rolls back to before its first step, ending where a run without it ends."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from swarm.core.config import AuditConfig, EmulationConfig, RotationConfig, RunConfig, TrainConfig
+from swarm.ops.status import render
+from tests.procs import coordinator, node, processes, tiny_run, wait_for_nodes, wait_status
+from tests.test_replicas import single_process_losses
+
+STEPS = 12
+
+
+def audited_run(folder: Path) -> RunConfig:
+    """Two stages, six microbatches a step, up to three replicas per stage; stage 1 emulated slow so
+    the replicas that join go to it; every sibling microbatch audited (rate 1); rotations on (an
+    audit must recompute with the basis the step ran under)."""
+    config = tiny_run(folder, STEPS, n_stages=2, checkpoint_interval=4)
+    config.train = TrainConfig(
+        steps=STEPS, batch_size=6, seq_len=32, microbatches=6, warmup_steps=2, replicas=3
+    )
+    config.emulation = EmulationConfig(slow_stage=1, slowdown=4.0)
+    config.audit = AuditConfig(rate=1.0)
+    config.rotation = RotationConfig(interval=3, max_angle=0.1)
+    return RunConfig.from_dict(config.to_dict())  # validated
+
+
+@pytest.mark.parametrize("mode", ["sign", pytest.param("stale", marks=pytest.mark.slow)])
+def test_a_lying_replica_is_evicted_and_the_run_ends_as_if_it_never_joined(tmp_path, mode):
+    config = audited_run(tmp_path)
+    assert config.audits
+    with processes() as procs:
+        address = coordinator(procs, tmp_path, config, dht=True)
+        started = {}
+        for i, name in enumerate(["n0", "liar", "n2", "n3"]):  # n0: stage 0, the liar stage 1 first
+            flags = ("--fault", mode) if name == "liar" else ()
+            started[name] = node(procs, tmp_path, name, address, *flags, dht=True)
+            wait_for_nodes(address, i + 1)
+        final = wait_status(address, lambda r: r.run_complete, "the run to complete", 300)
+        for name in ("n0", "n2", "n3"):
+            assert started[name].wait(60) == 0, started[name].output()
+        coordinator_log = procs[0].stderr()
+    hosts = {n.node_name: list(n.last_stages) for n in final.nodes if n.node_name != "liar"}
+    assert hosts == {"n0": [0], "n2": [1], "n3": [1]}, hosts
+    assert not any(n.node_name == "liar" and n.alive for n in final.nodes)
+    assert "(liar) evicted: 2 distinct auditors found it computing wrong" in coordinator_log
+    assert "resume at step 0 (the newest cut before step 0)" in coordinator_log
+    assert final.audits_mismatched >= 2 and final.audits_matched >= 1
+    # every mismatch was the liar's: the honest replicas audit each other all run long, unflagged
+    (liar_id,) = [n.node_id for n in final.nodes if n.node_name == "liar"]
+    accused = set(re.findall(r"found node (\w+) computing wrong", coordinator_log))
+    assert accused == {liar_id[:8]}, accused
+    assert any("liar" in line or "evicted" in line for line in final.audit_lines), final.audit_lines
+    assert "audits:" in render(final, address)
+    # rolled back to before the liar's first step (step 0): every step redone without it, so the
+    # losses are the single-process model's (the replicas' step-mode average is the global batch's)
+    assert final.epochs_restarted >= 1
+    losses = [s.loss for s in final.steps]
+    single = single_process_losses(config, tmp_path)
+    rel = [abs(a - b) / b for a, b in zip(losses, single, strict=True)]
+    assert max(rel) < 1e-4, rel
