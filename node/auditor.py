@@ -26,7 +26,7 @@ from swarm.net.channel import DEFAULT_KEEPALIVE, KeepAlive, open_channel
 from swarm.net.frames import activation_from_proto, gradient_from_proto
 from swarm.net.tls import INSECURE, NODE_SERVER_NAME, Security
 from swarm.ops.metrics import Metrics
-from swarm.runtime.audit import TOLERANCES, CommitmentTally, Evidence, StageAuditor, StageState
+from swarm.runtime.audit import CommitmentTally, Evidence, StageAuditor, StageState, audit_tolerance
 from swarm.runtime.wire import ActivationFrame, GradientFrame
 from swarm.runtime.worker import StageWorker
 
@@ -66,7 +66,8 @@ class Auditor:
         self.rng = random.SystemRandom()
         self.auditors: dict[int, StageAuditor] = {}
         self.tasks: set[asyncio.Task[None]] = set()
-        self._due: dict[int, tuple[StageState, list[int], StageWorker]] = {}
+        # per stage: the weights its step began with, the microbatches drawn, the worker (until the step ends)
+        self.due: dict[int, tuple[StageState, list[int], StageWorker]] = {}
 
     def step_begun(self, step: int, worker: StageWorker) -> None:
         """A hosted stage began ``step`` (its rotation applied): draw its audits of the siblings'
@@ -74,20 +75,21 @@ class Auditor:
         theirs = [mb for mb, node in sorted(self.owners[worker.index].items()) if node != self.node_id]
         drawn = [mb for mb in theirs if self.rng.random() < self.config.audit.rate]
         if drawn:
-            self._due[worker.index] = (StageState.capture(worker, step), drawn, worker)
+            self.due[worker.index] = (StageState.capture(worker, step), drawn, worker)
 
     def after_step(self) -> None:
         """Start the audits drawn for the step just done (in the background)."""
-        for stage, (state, drawn, worker) in self._due.items():
+        for stage, (state, drawn, worker) in self.due.items():
             auditor = self.auditors.get(stage) or self._auditor(worker)
             for mb in drawn:
                 task = asyncio.create_task(self._audit(auditor, stage, state, mb))
                 self.tasks.add(task)
                 task.add_done_callback(self.tasks.discard)
-        self._due = {}
+        self.due = {}
 
     def _auditor(self, worker: StageWorker) -> StageAuditor:
-        tolerance = TOLERANCES[(False, self.config.train.precision)]  # the audited node's device is unknown
+        c = self.config  # (the audited node's device is unknown: the cross-device tolerance)
+        tolerance = audit_tolerance(c.train.precision, c.codec.forward_format, c.codec.backward_format)
         auditor = StageAuditor(
             self.config,
             worker.index,

@@ -4,7 +4,6 @@ exactly and flags every fault mode, honest bf16 nodes pass the cross-precision t
 from __future__ import annotations
 
 import dataclasses
-import os
 
 import pytest
 import torch
@@ -15,25 +14,10 @@ from swarm.io.data import batch_ids, load_dataset
 from swarm.runtime.audit import (
     TOLERANCES,
     compare,
-    drawn,
     recompute,
 )
 from swarm.runtime.faults import MODES, Fault
 from swarm.runtime.pipeline import LocalPipeline
-
-
-def test_the_draw_is_a_keyed_sample_at_the_rate():
-    secret = os.urandom(16)
-    assert drawn(secret, 5, 1, 64, 0.3) == drawn(secret, 5, 1, 64, 0.3)
-    assert drawn(secret, 5, 1, 64, 0.0) == [] and drawn(secret, 5, 1, 64, 1.0) == list(range(64))
-    hits = sum(len(drawn(secret, step, 1, 100, 0.02)) for step in range(200))
-    assert 300 <= hits <= 500  # 20000 draws at 2%: 400 expected, sd 20
-    other = os.urandom(16)
-    assert [drawn(secret, s, 1, 100, 0.1) for s in range(5)] != [
-        drawn(other, s, 1, 100, 0.1) for s in range(5)
-    ]
-    with pytest.raises(ValueError, match="rate"):
-        drawn(secret, 0, 0, 4, 1.5)
 
 
 def test_compare_scores_a_sign_flip_noise_nan_and_a_wrong_shape():

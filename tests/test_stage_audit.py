@@ -3,10 +3,16 @@ middle, last; across a rotation), every lie flagged; the frame window nodes keep
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
+from swarm.node.auditor import Auditor
 
+from swarm._proto.swarm.v1 import coordinator_pb2 as cpb
+from swarm.core.config import AuditConfig
 from swarm.core.subspace import SubspaceRotation, initial_artifacts, random_basis
+from swarm.ops.metrics import Metrics
 from swarm.runtime.audit import TOLERANCES, CommitmentTally, Evidence, StageAuditor, StageState
 from swarm.runtime.faults import MODES, Fault
 from swarm.runtime.worker import StageWorker
@@ -122,3 +128,24 @@ def test_nodes_keep_each_frame_for_a_window_of_steps_and_forget_at_a_new_epoch()
     tally.new_epoch()
     assert tally.kept(2, 0, "forward", 0, "sent") is None
     assert CommitmentTally().kept(0, 0, "forward", 0, "sent") is None  # window 0 keeps nothing
+
+
+def test_a_replica_draws_only_its_siblings_microbatches_at_the_rate_and_keeps_weights_only_then():
+    config = tiny_config(n_stages=2, microbatches=4, batch_size=4, replicas=2)
+    config = dataclasses.replace(config, audit=AuditConfig(rate=0.25))
+    assert config.audits
+    _, _, workers = _pipeline(config)
+    owners = [dict.fromkeys(range(4), "up"), {0: "me", 1: "sibling", 2: "me", 3: "sibling"}]
+    auditor = Auditor(config, cpb.Plan(epoch=1), "me", owners, {}, CommitmentTally(), print, Metrics("node"))
+    drawn, kept = [], 0
+    for step in range(400):
+        auditor.step_begun(step, workers[1])
+        due = auditor.due.pop(1, None)
+        if due is not None:
+            state, mbs, _ = due
+            assert state.step == step and mbs
+            drawn += mbs
+            kept += 1
+    assert set(drawn) == {1, 3}  # never its own microbatches
+    assert 150 <= len(drawn) <= 250  # 800 sibling microbatches at 25%: 200 expected, sd 12
+    assert kept <= len(drawn)

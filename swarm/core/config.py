@@ -330,6 +330,7 @@ class ReplicaSyncConfig:
 
 
 SYNC_MODES = ("step", "outer")
+AUDITABLE_FORMATS = ("fp64", "fp32", "fp16", "bf16")  # wire formats audits compare through
 
 
 @dataclass
@@ -501,12 +502,14 @@ class RunConfig:
     @property
     def audits(self) -> bool:
         """Whether replicas audit each other: a rate above 0, replicas that hold the same weights at
-        every step (averaging every step), and real layers (not emulated)."""
+        every step (averaging every step), real layers (not emulated) and float wire formats (a
+        recomputation re-quantized by a coarser format may land a whole step off an honest value)."""
         return (
             self.audit.rate > 0
             and self.train.replicas > 1
             and self.replica_sync.mode == "step"
             and not self.emulation.profile
+            and {self.codec.forward_format, self.codec.backward_format} <= set(AUDITABLE_FORMATS)
         )
 
     def to_dict(self) -> dict[str, Any]:
