@@ -146,6 +146,7 @@ def test_standby_replaces_a_killed_node_and_the_run_reproduces_its_losses(tmp_pa
     assert witness.report(final).steps_redone < 2 * INTERVAL
 
 
+@pytest.mark.slow  # the default suite replaces a killed node with a standby (the test above)
 def test_a_fresh_node_joining_later_takes_the_dead_nodes_stage(tmp_path, reference):
     with processes() as procs:
         address = coordinator(procs, tmp_path, churn_config(tmp_path), "--dead-after", DEAD_AFTER)
