@@ -4,7 +4,9 @@ A lie changes what every later stage computes, so when a stage's host starts lyi
 the stages below it may all flag the same step. The flags of a step are therefore attributed once
 the step completes, to the hosts of the stage upstream of the *first* flagged boundary only (every
 host of that stage: replicas are not told apart); the others are logged as explained by it. A flag
-is evidence, counted in ``swarm status`` and ``swarm_screen_drifted_frames_total``; it evicts no one.
+is evidence, counted in ``swarm status`` and ``swarm_screen_drifted_frames_total``; it evicts no one,
+but in runs with audits it makes the flagged hosts suspects for :data:`SUSPECT_STEPS` steps, whom
+their siblings then audit at ``audit.suspect_rate`` (the audits tell which replica lies).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from swarm._proto.swarm.v1 import coordinator_pb2
 from swarm.ops.metrics import Metrics
 
 log = logging.getLogger("swarm.coordinator")
+SUSPECT_STEPS = 50  # how long after its last flagged step a host stays a suspect
 
 
 class ScreenReports:
@@ -26,6 +29,7 @@ class ScreenReports:
         self.roster, self.metrics = roster, metrics
         # (plan epoch, step) -> receiving stage -> (flagged frames, why, reporting node)
         self.pending: dict[tuple[int, int], dict[int, tuple[int, str, str]]] = {}
+        self.flagged_at: dict[str, int] = {}  # node id -> the last step flags were attributed to it
 
     def add(self, report: coordinator_pb2.StepReport) -> None:
         """A stage's report of ``report.drifted_frames`` flagged frames (replicas' reports add up)."""
@@ -44,6 +48,7 @@ class ScreenReports:
             hosts = self.roster.owners()[sender] if 0 <= sender < self.roster.n_stages else ()
             for node_id in hosts:
                 self.roster.drifted[node_id] += frames
+                self.flagged_at[node_id] = max(step, self.flagged_at.get(node_id, -1))
             self.metrics.screen_drifted_frames.labels(stage=str(sender)).inc(frames)
             later = sorted(set(by_stage) - {stage})
             log.warning(
@@ -57,3 +62,7 @@ class ScreenReports:
                 f"; stages {later} flagged after it (its lie reached them)" if later else "",
                 drift[:200],
             )
+
+    def suspects(self, step: int) -> list[str]:
+        """The hosts flags were attributed to within :data:`SUSPECT_STEPS` steps before ``step``."""
+        return sorted(n for n, at in self.flagged_at.items() if step - at <= SUSPECT_STEPS)

@@ -299,6 +299,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             session=self.gate.sessions.renewal(session) or "",
             keep_orders=self.keepers.issued,
         )
+        if self.config.audits:
+            reply.audit_suspects.extend(self.screen.suspects(self.progress.timeline))
         if request.plan_epoch != self.ledger.plan_epoch:
             reply.plan.CopyFrom(self.planner.plan_for(node))
         if request.keep_orders != self.keepers.issued:

@@ -3,8 +3,9 @@
 In runs where replicas average every step (``RunConfig.audits``), a replica holds the same weights
 as its siblings at every step. As each step begins (its rotation applied, nothing computed yet) it
 draws, privately (the audited node cannot tell), which of each sibling's microbatches it will
-recompute (each with probability ``audit.rate``) and, when any, keeps a copy of the stage's weights
-(:class:`StageState`). After the
+recompute (each with probability ``audit.rate``, or ``audit.suspect_rate`` for a sibling the
+coordinator names a suspect: a screen flagged its activations lately) and, when any, keeps a copy of
+the stage's weights (:class:`StageState`). After the
 step, off the critical path, it fetches the frames the neighbouring stages' nodes kept of those
 microbatches (``Stage.FetchEvidence``), recomputes them (:class:`StageAuditor`, in a thread) and
 reports each outcome to the coordinator (``ReportAudit``), which evicts on confirmed mismatches.
@@ -15,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 
 import grpc
 
@@ -43,7 +44,8 @@ class Auditor:
     """Audits the siblings of this node's replicated stages for one plan epoch.
 
     ``owners``: per stage, microbatch -> the node processing it this epoch; ``addresses``: node id
-    -> announce address; ``report``: sends a ``ReportAudit`` request (the coordinator client's).
+    -> announce address; ``report``: sends a ``ReportAudit`` request (the coordinator client's);
+    ``suspects``: the nodes to audit at ``audit.suspect_rate`` now (the screen flagged them).
     """
 
     def __init__(
@@ -58,8 +60,10 @@ class Auditor:
         metrics: Metrics,
         security: Security = INSECURE,
         keepalive: KeepAlive = DEFAULT_KEEPALIVE,
+        suspects: Callable[[], Collection[str]] = frozenset,
     ):
         self.config, self.plan, self.node_id = config, plan, node_id
+        self.suspects = suspects
         self.owners, self.addresses, self.tally = owners, addresses, tally
         self.report, self.metrics = report, metrics
         self.security, self.keepalive = security, keepalive
@@ -72,8 +76,13 @@ class Auditor:
     def step_begun(self, step: int, worker: StageWorker) -> None:
         """A hosted stage began ``step`` (its rotation applied): draw its audits of the siblings'
         microbatches and, when any, keep its weights as they are now."""
-        theirs = [mb for mb, node in sorted(self.owners[worker.index].items()) if node != self.node_id]
-        drawn = [mb for mb in theirs if self.rng.random() < self.config.audit.rate]
+        audit, suspects = self.config.audit, self.suspects()
+        theirs = [(mb, n) for mb, n in sorted(self.owners[worker.index].items()) if n != self.node_id]
+        drawn = [
+            mb
+            for mb, n in theirs
+            if self.rng.random() < (audit.suspect_rate if n in suspects else audit.rate)
+        ]
         if drawn:
             self.due[worker.index] = (StageState.capture(worker, step), drawn, worker)
 

@@ -73,6 +73,7 @@ class CoordinatorClient:
         self.cut_requests = 0
         self.keep_orders = 0  # HeartbeatReply.keep_orders as last heard
         self.keep: list[cpb.StageCheckpoint] = []  # the snapshots this node is to keep, as last listed
+        self.audit_suspects: frozenset[str] = frozenset()  # nodes to audit at the raised rate, as last heard
         self.on_keep: Callable[[list[cpb.StageCheckpoint]], None] = lambda orders: None  # called with them
         self.fatal: Fenced | CoordinatorUnreachable | None = None
         self.rotations: dict[int, SubspaceRotation] = {}
@@ -201,6 +202,7 @@ class CoordinatorClient:
             self._fence("heartbeat answered: unknown node")
         if reply.session:
             self.credentials = session_metadata(self.node_id, reply.session)
+        self.audit_suspects = frozenset(reply.audit_suspects)
         changed = False
         if reply.HasField("plan") and reply.plan.epoch != epoch:
             self.plan, changed = reply.plan, True

@@ -462,6 +462,7 @@ class NodeDaemon:
             self.metrics,
             self.settings.security,
             self.settings.timeouts.keepalive,
+            lambda: self.client.audit_suspects,
         )
 
     def _take_cut_request(self) -> bool:

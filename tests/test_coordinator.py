@@ -25,6 +25,7 @@ from swarm.coordinator.judge import SAME_PAIR_ACCUSATIONS, Judge
 from swarm.coordinator.keepers import Keepers
 from swarm.coordinator.ledger import Ledger
 from swarm.coordinator.roster import Roster
+from swarm.coordinator.screen_reports import SUSPECT_STEPS
 from swarm.coordinator.service import CoordinatorServer, CoordinatorService
 from swarm.coordinator.settings import CoordinatorSettings
 from swarm.coordinator.state import CheckpointRecord, CoordinatorState, NodeRecord
@@ -1171,7 +1172,8 @@ def test_a_rejoining_offender_with_its_own_token_is_the_same_party(tmp_path):
 
 def test_screen_flags_of_a_step_count_against_the_hosts_above_the_first_flagged_boundary(tmp_path):
     """Stages 1 and 2 both flag step 0 (a lie at stage 0 reaches both screens): once the step
-    completes, the frames count against stage 0's host only; flags never evict anyone."""
+    completes, the frames count against stage 0's host only, a suspect for SUSPECT_STEPS steps;
+    flags never evict anyone."""
     config = tiny_config(n_stages=3)
 
     async def flagged(h: Harness, node_id: str, stage: int, step: int, epoch: int, frames: int) -> None:
@@ -1192,6 +1194,9 @@ def test_screen_flags_of_a_step_count_against_the_hosts_above_the_first_flagged_
             assert drifted == {"a": 2, "b": 0, "c": 0} and not h.service.screen.pending
             assert h.sample("swarm_screen_drifted_frames_total", {"stage": "0"}) == 2
             assert all(n.alive for n in (await h.status()).nodes)
+            # a suspect for a while: in runs with audits its siblings audit it at the raised rate
+            assert h.service.screen.suspects(SUSPECT_STEPS) == [a.node_id]
+            assert h.service.screen.suspects(SUSPECT_STEPS + 1) == []
 
     run(scenario())
 

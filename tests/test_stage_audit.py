@@ -3,6 +3,7 @@ middle, last; across a rotation), every lie flagged; the frame window nodes keep
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 
 import pytest
@@ -131,21 +132,36 @@ def test_nodes_keep_each_frame_for_a_window_of_steps_and_forget_at_a_new_epoch()
 
 
 def test_a_replica_draws_only_its_siblings_microbatches_at_the_rate_and_keeps_weights_only_then():
-    config = tiny_config(n_stages=2, microbatches=4, batch_size=4, replicas=2)
-    config = dataclasses.replace(config, audit=AuditConfig(rate=0.25))
+    config = tiny_config(n_stages=2, microbatches=6, batch_size=6, replicas=3)
+    config = dataclasses.replace(config, audit=AuditConfig(rate=0.1, suspect_rate=0.5))
     assert config.audits
     _, _, workers = _pipeline(config)
-    owners = [dict.fromkeys(range(4), "up"), {0: "me", 1: "sibling", 2: "me", 3: "sibling"}]
-    auditor = Auditor(config, cpb.Plan(epoch=1), "me", owners, {}, CommitmentTally(), print, Metrics("node"))
-    drawn, kept = [], 0
+    owners = [
+        dict.fromkeys(range(6), "up"),
+        {0: "me", 1: "sibling", 2: "suspect"} | {3: "me", 4: "sibling", 5: "suspect"},
+    ]
+    suspects = {"suspect"}
+    auditor = Auditor(
+        config,
+        cpb.Plan(epoch=1),
+        "me",
+        owners,
+        {},
+        CommitmentTally(),
+        print,
+        Metrics("node"),
+        suspects=lambda: suspects,
+    )
+    drawn, kept = collections.Counter(), 0
     for step in range(400):
         auditor.step_begun(step, workers[1])
         due = auditor.due.pop(1, None)
         if due is not None:
             state, mbs, _ = due
             assert state.step == step and mbs
-            drawn += mbs
+            drawn.update(owners[1][mb] for mb in mbs)
             kept += 1
-    assert set(drawn) == {1, 3}  # never its own microbatches
-    assert 150 <= len(drawn) <= 250  # 800 sibling microbatches at 25%: 200 expected, sd 12
-    assert kept <= len(drawn)
+    assert set(drawn) == {"sibling", "suspect"}  # never its own microbatches
+    assert 50 <= drawn["sibling"] <= 110  # 800 microbatches at 10%: 80 expected, sd 8.5
+    assert 340 <= drawn["suspect"] <= 460  # the screen's suspect at 50%: 400 expected, sd 14
+    assert kept <= 400

@@ -342,16 +342,20 @@ class AuditConfig:
     probability ``rate`` (its own private draw: the audited node cannot tell which), from the frames
     the neighbouring stages' nodes kept (``window`` steps of them), and reports the comparison. A node
     that ``confirmations`` distinct auditors found computing wrong is evicted and the run resumes from
-    the newest cut before it first hosted a stage. ``rate = 0`` turns audits off.
+    the newest cut before it first hosted a stage. A node whose activations a downstream screen
+    flagged lately is audited at ``suspect_rate`` instead. ``rate = 0`` turns audits off.
     """
 
     rate: float = 0.02
     confirmations: int = 2
     window: int = 4
+    suspect_rate: float = 0.25  # the rate for a node the activation screen flagged lately
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.rate <= 1.0:
             raise ValueError(f"audit.rate={self.rate} must lie in [0, 1]")
+        if not self.rate <= self.suspect_rate <= 1.0:
+            raise ValueError(f"audit.suspect_rate={self.suspect_rate} must lie in [rate, 1]")
         if self.confirmations < 2:
             raise ValueError(
                 f"audit.confirmations={self.confirmations} must be >= 2 (one auditor never evicts)"

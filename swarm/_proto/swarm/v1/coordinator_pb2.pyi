@@ -211,7 +211,7 @@ class HeartbeatRequest(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., step: _Optional[int] = ..., phase: _Optional[_Union[NodePhase, str]] = ..., plan_epoch: _Optional[int] = ..., tokens_per_second: _Optional[float] = ..., subspace_version: _Optional[int] = ..., averaging_address: _Optional[str] = ..., capacity_tokens_per_second: _Optional[float] = ..., hold_ms: _Optional[int] = ..., cut_requests: _Optional[int] = ..., run_complete: _Optional[bool] = ..., keep_orders: _Optional[int] = ...) -> None: ...
 
 class HeartbeatReply(_message.Message):
-    __slots__ = ("known", "plan_epoch", "subspace_version", "plan", "run_complete", "cut_requests", "session", "keep_orders", "keep")
+    __slots__ = ("known", "plan_epoch", "subspace_version", "plan", "run_complete", "cut_requests", "session", "keep_orders", "keep", "audit_suspects")
     KNOWN_FIELD_NUMBER: _ClassVar[int]
     PLAN_EPOCH_FIELD_NUMBER: _ClassVar[int]
     SUBSPACE_VERSION_FIELD_NUMBER: _ClassVar[int]
@@ -221,6 +221,7 @@ class HeartbeatReply(_message.Message):
     SESSION_FIELD_NUMBER: _ClassVar[int]
     KEEP_ORDERS_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
+    AUDIT_SUSPECTS_FIELD_NUMBER: _ClassVar[int]
     known: bool
     plan_epoch: int
     subspace_version: int
@@ -230,7 +231,8 @@ class HeartbeatReply(_message.Message):
     session: str
     keep_orders: int
     keep: _containers.RepeatedCompositeFieldContainer[StageCheckpoint]
-    def __init__(self, known: _Optional[bool] = ..., plan_epoch: _Optional[int] = ..., subspace_version: _Optional[int] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., cut_requests: _Optional[int] = ..., session: _Optional[str] = ..., keep_orders: _Optional[int] = ..., keep: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ...) -> None: ...
+    audit_suspects: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, known: _Optional[bool] = ..., plan_epoch: _Optional[int] = ..., subspace_version: _Optional[int] = ..., plan: _Optional[_Union[Plan, _Mapping]] = ..., run_complete: _Optional[bool] = ..., cut_requests: _Optional[int] = ..., session: _Optional[str] = ..., keep_orders: _Optional[int] = ..., keep: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ..., audit_suspects: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class LeaveRequest(_message.Message):
     __slots__ = ("node_id", "reason")
