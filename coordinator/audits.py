@@ -9,6 +9,13 @@ that stage. One auditor's mismatches never evict (it may be the liar); once ``au
 distinct auditors (parties: nodes sharing a personal join token count once) found the same node
 computing wrong, it is evicted through ``evict``, which rolls the run back past everything it
 contributed to.
+
+An auditor that lies is caught by the others' audits of the node it accuses: an accused node is a
+suspect (its siblings audit it at ``audit.suspect_rate``), and an accuser whose reports of it are
+mostly mismatches (at least :data:`LIAR_MISMATCHES`, half of its audits of it or more) while another
+party audited the same node :data:`CONTRADICTING_MATCHES` times without a single mismatch is evicted
+itself (no rollback: its reports changed no weights). If the accused lied on half its microbatches
+or more, an honest second auditor would see no lie in that many audits with chance 2^-20 or less.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from swarm.core.config import RunConfig
 from swarm.ops.metrics import Metrics
 
 log = logging.getLogger("swarm.coordinator")
+LIAR_MISMATCHES = 3  # an accuser's mismatches of one node before its accusations can be contradicted
+CONTRADICTING_MATCHES = 20  # another party's clean audits of that node that contradict them
 
 OUTCOMES = ("match", "mismatch", "unavailable")
 
@@ -40,7 +49,7 @@ class Audits:
         config: RunConfig,
         ledger: Ledger,
         roster: Roster,
-        evict: Callable[[NodeRecord, str], None],
+        evict: Callable[[NodeRecord, str, bool], None],
         metrics: Metrics,
         kept: int = 8,
     ):
@@ -49,6 +58,8 @@ class Audits:
         self.counts: collections.Counter[str] = collections.Counter()  # outcome -> reports
         # accused node id -> the parties of the auditors that found it computing wrong
         self.accusers: dict[str, set[str]] = {}
+        # (auditor, audited) -> outcome -> reports
+        self.tallies: dict[tuple[str, str], collections.Counter[str]] = {}
         self.lines: collections.deque[str] = collections.deque(maxlen=kept)  # newest mismatches, evictions
 
     def add(self, report: coordinator_pb2.AuditReport) -> None:
@@ -57,8 +68,38 @@ class Audits:
         self._check(report)
         self.counts[report.outcome] += 1
         self.metrics.audits.labels(outcome=report.outcome).inc()
+        self.tallies.setdefault((report.node_id, report.audited_node_id), collections.Counter())[
+            report.outcome
+        ] += 1
         if report.outcome == "mismatch":
             self._mismatch(report)
+        self._contradicted(report.audited_node_id)
+
+    def suspects(self) -> list[str]:
+        """The alive nodes some auditor found computing wrong (their siblings audit them more)."""
+        return sorted(n for n in self.accusers if self.roster.alive_node(n) is not None)
+
+    def _contradicted(self, accused: str) -> None:
+        """Evict the accusers of ``accused`` whose mismatches another party's clean audits contradict."""
+        clean = {
+            self.roster.party_of(auditor)
+            for (auditor, audited), t in self.tallies.items()
+            if audited == accused and t["match"] >= CONTRADICTING_MATCHES and not t["mismatch"]
+        }
+        for (auditor, audited), t in list(self.tallies.items()):
+            node = self.roster.alive_node(auditor)
+            mostly_wrong = t["mismatch"] >= max(LIAR_MISMATCHES, t["match"])
+            if audited != accused or node is None or not mostly_wrong:
+                continue
+            if clean - {self.roster.party_of(auditor)}:
+                reason = (
+                    f"its {t['mismatch']} mismatches of node {accused[:8]} are contradicted by another "
+                    f"auditor's {CONTRADICTING_MATCHES}+ clean audits of it"
+                )
+                self._show(f"node {auditor[:8]} ({node.name or 'no name'}) evicted: {reason}")
+                self.metrics.evictions.labels(reason="audit_accuser").inc()
+                self.accusers.get(accused, set()).discard(self.roster.party_of(auditor))
+                self.evict(node, reason, False)
 
     def _check(self, r: coordinator_pb2.AuditReport) -> None:
         if not self.config.audits:
@@ -90,7 +131,7 @@ class Audits:
         reason = f"{len(parties)} distinct auditors found it computing wrong"
         self._show(f"node {accused.id[:8]} ({accused.name or 'no name'}) evicted: {reason}")
         self.metrics.evictions.labels(reason="audit").inc()
-        self.evict(accused, reason)
+        self.evict(accused, reason, True)
 
     def _show(self, line: str) -> None:
         self.lines.append(line)

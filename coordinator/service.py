@@ -213,11 +213,12 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
         reply.audit_lines.extend(self.audits.lines)
         return reply
 
-    def _evict_wrong(self, node: NodeRecord, reason: str) -> None:
-        """Evict ``node``, found computing wrong: its own join token may not join again, and the run
-        resumes from a cut before the first step it hosted a stage at."""
+    def _evict_wrong(self, node: NodeRecord, reason: str, rollback: bool) -> None:
+        """Evict ``node``, found computing (or, ``rollback`` False, reporting) wrong: its own join
+        token may not join again, and with ``rollback`` the run resumes from a cut before the first
+        step it hosted a stage at."""
         self.gate.ban(node.id, reason)
-        self.planner.evict(node, rollback=True)
+        self.planner.evict(node, rollback=rollback)
 
     # -- membership ---------------------------------------------------------------------------
 
@@ -300,7 +301,8 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
             keep_orders=self.keepers.issued,
         )
         if self.config.audits:
-            reply.audit_suspects.extend(self.screen.suspects(self.progress.timeline))
+            suspects = {*self.screen.suspects(self.progress.timeline), *self.audits.suspects()}
+            reply.audit_suspects.extend(sorted(suspects))
         if request.plan_epoch != self.ledger.plan_epoch:
             reply.plan.CopyFrom(self.planner.plan_for(node))
         if request.keep_orders != self.keepers.issued:

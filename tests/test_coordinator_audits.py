@@ -9,6 +9,7 @@ import hashlib
 import hmac
 
 import grpc
+from swarm.coordinator.audits import CONTRADICTING_MATCHES, LIAR_MISMATCHES
 
 from swarm._proto.swarm.v1 import coordinator_pb2
 from swarm.core.config import AuditConfig, ReplicaSyncConfig, RunConfig
@@ -304,3 +305,28 @@ def test_plans_carry_an_evidence_secret_when_audits_are_on_and_every_replica_add
     ]:
         assert not config.audits
         run(off(name, config, replicas))
+
+
+def test_an_auditor_whose_accusations_another_party_contradicts_is_evicted_not_the_accused(tmp_path):
+    """x reports every audit of z as a mismatch; the accused z becomes a suspect, and once y's audits
+    of z come back clean CONTRADICTING_MATCHES times, x (the liar) is evicted, without a rollback."""
+
+    async def scenario() -> None:
+        async with coordinator(tmp_path / "state.sqlite", AUDITED) as h:
+            a, b, (x, z) = await replicated(h, extra=2)
+            await steps(h, a, b, 0, 3)
+            restarts = h.service.ledger.restarts
+            for _ in range(LIAR_MISMATCHES):
+                await audit(h, x, z)
+            assert (await z.beat(h)).audit_suspects == [z.id]  # audited more from now on
+            for i in range(CONTRADICTING_MATCHES):
+                assert alive(h, x), i
+                await audit(h, a, z, "match")
+            assert not alive(h, x) and alive(h, z)
+            assert h.sample("swarm_evictions_total", {"reason": "audit_accuser"}) == 1
+            assert not h.sample("swarm_evictions_total", {"reason": "audit"})
+            assert h.service.ledger.restarts == restarts  # no rollback: its reports changed no weights
+            lines = (await h.status()).audit_lines
+            assert any(f"node {x.id[:8]}" in line and "contradicted" in line for line in lines)
+
+    run(scenario())

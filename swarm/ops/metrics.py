@@ -220,7 +220,8 @@ class Metrics:
             "swarm_evictions",
             "Nodes evicted: a neighbour received invalid frames from them (bad_input), they accused a "
             "second neighbour (accuser), their join token was revoked (revoked), or distinct sibling "
-            "replicas' audits found them computing wrong (audit)",
+            "replicas' audits found them computing wrong (audit), or another auditor's clean audits "
+            "contradicted their mismatch reports (audit_accuser)",
             ["reason"],
             registry=r,
         )
