@@ -61,9 +61,11 @@ class Auditor:
         security: Security = INSECURE,
         keepalive: KeepAlive = DEFAULT_KEEPALIVE,
         suspects: Callable[[], Collection[str]] = frozenset,
+        accuse: bool = False,
     ):
         self.config, self.plan, self.node_id = config, plan, node_id
         self.suspects = suspects
+        self.accuse = accuse  # tests only (``--fault accuse``): report every audit as a mismatch
         self.owners, self.addresses, self.tally = owners, addresses, tally
         self.report, self.metrics = report, metrics
         self.security, self.keepalive = security, keepalive
@@ -81,7 +83,7 @@ class Auditor:
         drawn = [
             mb
             for mb, n in theirs
-            if self.rng.random() < (audit.suspect_rate if n in suspects else audit.rate)
+            if self.rng.random() < (max(audit.rate, audit.suspect_rate) if n in suspects else audit.rate)
         ]
         if drawn:
             self.due[worker.index] = (StageState.capture(worker, step), drawn, worker)
@@ -131,7 +133,7 @@ class Auditor:
             report.outcome, report.detail = "unavailable", f"the recomputation failed: {e}"[:300]
         else:
             direction, comparison = verdict.deciding
-            report.outcome = "match" if verdict.matches else "mismatch"
+            report.outcome = "match" if verdict.matches and not self.accuse else "mismatch"
             report.direction = direction
             if comparison is not None:
                 report.rel_l2, report.cosine = comparison.rel_l2, comparison.cosine

@@ -71,6 +71,7 @@ from swarm.ops.logs import say, set_context
 from swarm.ops.metrics import Metrics, MetricsServer
 from swarm.runtime.audit import CommitmentTally
 from swarm.runtime.averaging import ReplicaAverager
+from swarm.runtime.faults import ACCUSE
 
 log = logging.getLogger("swarm-node")
 
@@ -463,6 +464,7 @@ class NodeDaemon:
             self.settings.security,
             self.settings.timeouts.keepalive,
             lambda: self.client.audit_suspects,
+            accuse=self.settings.fault is not None and self.settings.fault.mode == ACCUSE,
         )
 
     def _take_cut_request(self) -> bool:

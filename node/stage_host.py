@@ -179,8 +179,9 @@ class StageHost:
                     # Replicas sum what each accumulated toward the next rotation: the lead's snapshot
                     # holds its share, which the lead itself brings; this replica starts from none.
                     worker.statistic.reset()
-            if self.fault is not None:  # tests only: this node lies from here on
-                self.faults[s] = self.fault.attach(worker, seed=s)
+            fault = self.fault.attach(worker, seed=s) if self.fault is not None else None
+            if fault is not None:  # tests only: this node lies from here on
+                self.faults[s] = fault
                 say(f"stage {s}: FAULTY on purpose ({self.fault})")
             rotation_ready = self._rotation_ready(worker) if self.rotating else None
             batches = self._batches(sampler) if sampler is not None else None

@@ -16,13 +16,13 @@ from tests.test_replicas import single_process_losses
 STEPS = 12
 
 
-def audited_run(folder: Path) -> RunConfig:
+def audited_run(folder: Path, steps: int = STEPS) -> RunConfig:
     """Two stages, six microbatches a step, up to three replicas per stage; stage 1 emulated slow so
     the replicas that join go to it; every sibling microbatch audited (rate 1); rotations on (an
     audit must recompute with the basis the step ran under)."""
-    config = tiny_run(folder, STEPS, n_stages=2, checkpoint_interval=4)
+    config = tiny_run(folder, steps, n_stages=2, checkpoint_interval=4)
     config.train = TrainConfig(
-        steps=STEPS, batch_size=6, seq_len=32, microbatches=6, warmup_steps=2, replicas=3
+        steps=steps, batch_size=6, seq_len=32, microbatches=6, warmup_steps=2, replicas=3
     )
     config.emulation = EmulationConfig(slow_stage=1, slowdown=4.0)
     config.audit = AuditConfig(rate=1.0)
@@ -64,3 +64,30 @@ def test_a_lying_replica_is_evicted_and_the_run_ends_as_if_it_never_joined(tmp_p
     single = single_process_losses(config, tmp_path)
     rel = [abs(a - b) / b for a, b in zip(losses, single, strict=True)]
     assert max(rel) < 1e-4, rel
+
+
+@pytest.mark.slow  # the rule itself runs in the default suite (tests/test_coordinator_audits.py)
+def test_a_lying_auditor_is_evicted_and_the_honest_replicas_it_accused_stay(tmp_path):
+    """A replica that computes honestly but reports every audit of its siblings as a mismatch: its
+    accusations stay unconfirmed, the siblings' clean audits of each other contradict them, and it
+    is evicted without a rollback; the run ends with the single-process losses."""
+    config = audited_run(tmp_path, steps=24)  # 20 steps of 3 replicas: 40 clean audits of each
+    with processes() as procs:
+        address = coordinator(procs, tmp_path, config, dht=True)
+        started = {}
+        for i, name in enumerate(["n0", "n1", "accuser", "n3"]):
+            flags = ("--fault", "accuse") if name == "accuser" else ()
+            started[name] = node(procs, tmp_path, name, address, *flags, dht=True)
+            wait_for_nodes(address, i + 1)
+        final = wait_status(address, lambda r: r.run_complete, "the run to complete", 300)
+        for name in ("n0", "n1", "n3"):
+            assert started[name].wait(60) == 0, started[name].output()
+        coordinator_log = procs[0].stderr()
+    hosts = {n.node_name: list(n.last_stages) for n in final.nodes if n.node_name != "accuser"}
+    assert hosts == {"n0": [0], "n1": [1], "n3": [1]}, hosts
+    (accuser_id,) = [n.node_id for n in final.nodes if n.node_name == "accuser"]
+    assert f"node {accuser_id[:8]} (accuser) evicted: its" in coordinator_log, coordinator_log[-3000:]
+    assert "distinct auditors found it computing wrong" not in coordinator_log  # no honest node evicted
+    losses = [s.loss for s in final.steps]
+    single = single_process_losses(config, tmp_path)
+    assert max(abs(a - b) / b for a, b in zip(losses, single, strict=True)) < 1e-4

@@ -88,6 +88,7 @@ def test_the_fault_flag_is_parsed_and_refused_when_malformed():
     assert FaultSpec.parse("sign") == FaultSpec("sign", 1.0, 0)
     assert FaultSpec.parse("noise:0.1@30") == FaultSpec("noise", 0.1, 30)
     assert FaultSpec.parse("stale:0.5") == FaultSpec("stale", 0.5, 0)
+    assert FaultSpec.parse("accuse") == FaultSpec("accuse", 1.0, 0)
     for bad in ("flip", "sign:2", "sign:x", "sign@-1", ""):
         with pytest.raises(ValueError):
             FaultSpec.parse(bad)

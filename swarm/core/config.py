@@ -349,13 +349,13 @@ class AuditConfig:
     rate: float = 0.02
     confirmations: int = 2
     window: int = 4
-    suspect_rate: float = 0.25  # the rate for a node the activation screen flagged lately
+    suspect_rate: float = 0.25  # the rate for a suspect (flagged or accused), if above ``rate``
 
     def __post_init__(self) -> None:
         if not 0.0 <= self.rate <= 1.0:
             raise ValueError(f"audit.rate={self.rate} must lie in [0, 1]")
-        if not self.rate <= self.suspect_rate <= 1.0:
-            raise ValueError(f"audit.suspect_rate={self.suspect_rate} must lie in [rate, 1]")
+        if not 0.0 <= self.suspect_rate <= 1.0:
+            raise ValueError(f"audit.suspect_rate={self.suspect_rate} must lie in [0, 1]")
         if self.confirmations < 2:
             raise ValueError(
                 f"audit.confirmations={self.confirmations} must be >= 2 (one auditor never evicts)"

@@ -20,6 +20,7 @@ import torch
 from swarm.runtime.worker import StageWorker
 
 MODES = ("sign", "noise", "stale", "skip")
+ACCUSE = "accuse"  # not a stage's lie: the node reports every audit it runs as a mismatch
 
 
 def _replace(out: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
@@ -84,7 +85,8 @@ class Fault:
 @dataclass(frozen=True)
 class FaultSpec:
     """``MODE[:FRACTION][@AFTER]``: lie in ``MODE`` (:data:`MODES`) on ``FRACTION`` of the
-    microbatches (default all) once ``AFTER`` microbatches of an epoch were forwarded honestly."""
+    microbatches (default all) once ``AFTER`` microbatches of an epoch were forwarded honestly; or
+    ``accuse``: compute honestly, report every audit of a sibling as a mismatch (:data:`ACCUSE`)."""
 
     mode: str
     fraction: float = 1.0
@@ -94,8 +96,8 @@ class FaultSpec:
     def parse(cls, text: str) -> FaultSpec:
         head, _, after = text.partition("@")
         mode, _, fraction = head.partition(":")
-        if mode not in MODES:
-            raise ValueError(f"--fault mode {mode!r} must be one of {MODES}")
+        if mode not in (*MODES, ACCUSE):
+            raise ValueError(f"--fault mode {mode!r} must be one of {(*MODES, ACCUSE)}")
         try:
             spec = cls(mode, float(fraction) if fraction else 1.0, int(after) if after else 0)
         except ValueError:
@@ -104,5 +106,8 @@ class FaultSpec:
             raise ValueError(f"--fault {text!r}: FRACTION in [0, 1], AFTER >= 0")
         return spec
 
-    def attach(self, worker: StageWorker, seed: int) -> Fault:
+    def attach(self, worker: StageWorker, seed: int) -> Fault | None:
+        """The stage's lie (None for :data:`ACCUSE`: its lies are in audit reports)."""
+        if self.mode == ACCUSE:
+            return None
         return Fault(worker, self.mode, self.fraction, seed=seed, after=self.after)
