@@ -72,6 +72,7 @@ class Auditor:
         self.rng = random.SystemRandom()
         self.auditors: dict[int, StageAuditor] = {}
         self.tasks: set[asyncio.Task[None]] = set()
+        self.channels: dict[str, grpc.aio.Channel] = {}  # by neighbour address, for the epoch
         # per stage: the weights its step began with, the microbatches drawn, the worker (until the step ends)
         self.due: dict[int, tuple[StageState, list[int], StageWorker]] = {}
 
@@ -190,9 +191,13 @@ class Auditor:
             side=side,
             access=self.plan.evidence_secret,
         )
+        channel = self.channels.get(address)
+        if channel is None:
+            channel = self.channels[address] = open_channel(
+                address, self.security, self.keepalive, NODE_SERVER_NAME
+            )
         try:
-            async with open_channel(address, self.security, self.keepalive, NODE_SERVER_NAME) as channel:
-                reply = await stage_pb2_grpc.StageStub(channel).FetchEvidence(request, timeout=FETCH_S)
+            reply = await stage_pb2_grpc.StageStub(channel).FetchEvidence(request, timeout=FETCH_S)
         except grpc.aio.AioRpcError as e:
             raise EvidenceUnavailable(f"node {node[:8]}: {e.code().name}: {e.details()}") from None
         body = reply.WhichOneof("frame")
@@ -206,7 +211,9 @@ class Auditor:
             raise EvidenceUnavailable(f"node {node[:8]} sent a malformed frame: {e}") from None
 
     async def close(self) -> None:
-        """Cancel the audits still running (the epoch ended)."""
+        """Cancel the audits still running and close the evidence channels (the epoch ended)."""
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)
+        await asyncio.gather(*(c.close() for c in self.channels.values()), return_exceptions=True)
+        self.channels.clear()
