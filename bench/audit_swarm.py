@@ -4,6 +4,7 @@ this machine (loopback, hivemind without NAT port mapping), one of them optional
 
 from __future__ import annotations
 
+import contextlib
 import secrets
 import sys
 import time
@@ -14,9 +15,16 @@ import grpc
 from swarm.coordinator.cli import serve_command
 from swarm.node.cli import join_command
 
-from swarm._proto.swarm.v1 import coordinator_pb2, coordinator_pb2_grpc
+from swarm._proto.swarm.v1 import coordinator_pb2
 from swarm.core.config import RunConfig
-from swarm.launch.local_swarm import LISTENING, ProcessGroup, tee, wait_for_line
+from swarm.launch.local_swarm import (
+    LISTENING,
+    ProcessGroup,
+    StatusPoller,
+    steady_tokens_per_second,
+    tee,
+    wait_for_line,
+)
 
 POLL_S = 0.2
 
@@ -31,10 +39,8 @@ class LiveRun:
 
     @property
     def tokens_per_second(self) -> float:
-        """Tokens over the summed durations of the steps past the first two (start-up)."""
-        steady = list(self.status.steps)[2:] or list(self.status.steps)
-        seconds = sum(s.wall_seconds for s in steady)
-        return sum(s.tokens for s in steady) / seconds if seconds else 0.0
+        """Tokens over the summed durations of the steps past the warm-up (start-up)."""
+        return steady_tokens_per_second(self.status.steps)
 
     @property
     def liar_evicted(self) -> bool:
@@ -44,22 +50,14 @@ class LiveRun:
         )
 
 
-def _status(address: str) -> coordinator_pb2.StatusReply:
-    with grpc.insecure_channel(address) as channel:
-        return coordinator_pb2_grpc.CoordinatorStub(channel).Status(
-            coordinator_pb2.StatusRequest(), timeout=5
-        )
-
-
-def _wait(address: str, done, what: str, timeout: float) -> coordinator_pb2.StatusReply:
+def _wait(poller: StatusPoller, done, what: str, timeout: float) -> coordinator_pb2.StatusReply:
+    """Poll the coordinator's status until ``done(reply)`` (unreachable: not done yet)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            reply = _status(address)
-        except grpc.RpcError:
-            reply = None
-        if reply is not None and done(reply):
-            return reply
+        with contextlib.suppress(grpc.RpcError):
+            poller.poll()
+        if poller.reply is not None and done(poller.reply):
+            return poller.reply
         time.sleep(POLL_S)
     raise TimeoutError(f"no {what} within {timeout:.0f}s")
 
@@ -83,6 +81,7 @@ def run_live(
         lines: list[str] = []
         tee(proc, folder / "coordinator.log", lines)
         address = wait_for_line(lines, LISTENING, proc, 60).group(1)
+        poller = StatusPoller(address)
         for i in range(nodes):
             name = f"node{i}"
             join = join_command(address, data_dir=folder / name, device="cpu", name=name, metrics_port=-1)
@@ -91,8 +90,9 @@ def run_live(
                 [sys.executable, "-m", "swarm.node.cli", *join], folder / f"{name}.err", env=env
             )
             tee(node, folder / f"{name}.log", [])
-            _wait(address, lambda r, n=i + 1: len(r.nodes) >= n, f"{i + 1} nodes joined", 60)
-        final = _wait(address, lambda r: r.run_complete, "completed run", timeout)
+            _wait(poller, lambda r, n=i + 1: len(r.nodes) >= n, f"{i + 1} nodes joined", 60)
+        final = _wait(poller, lambda r: r.run_complete, "completed run", timeout)
+        poller.close()
     finally:
         group.stop()
     liar_id = next((n.node_id for n in final.nodes if n.node_name == f"node{liar}"), "")

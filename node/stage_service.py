@@ -36,7 +36,7 @@ from swarm.net.frames import PROTOCOL_VERSION, activation_to_proto, gradient_to_
 from swarm.net.shaper import UNSHAPED, LinkProfile
 from swarm.net.uplink import UplinkMeter
 from swarm.ops.metrics import Metrics
-from swarm.runtime.audit import CommitmentTally
+from swarm.runtime.audit import DIRECTIONS, SIDES, CommitmentTally
 from swarm.runtime.wire import ActivationFrame
 
 log = logging.getLogger(__name__)
@@ -152,9 +152,9 @@ class StageService(stage_pb2_grpc.StageServicer):
             await context.abort(
                 grpc.StatusCode.PERMISSION_DENIED, "evidence needs this epoch's evidence secret"
             )
-        if request.side not in ("sent", "received") or request.direction not in ("forward", "backward"):
+        if request.side not in SIDES or request.direction not in DIRECTIONS:
             await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "side must be sent|received, direction forward|backward"
+                grpc.StatusCode.INVALID_ARGUMENT, f"side must be one of {SIDES}, direction of {DIRECTIONS}"
             )
         frame = None
         if self.tally is not None:

@@ -34,7 +34,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -77,20 +77,30 @@ class SwarmSummary:
     @property
     def tokens_per_second(self) -> float:
         """Steady-state throughput: tokens over summed step durations, past the warm-up steps."""
-        steady = self.steady_steps
-        seconds = sum(x.wall_seconds for x in steady)
-        return sum(x.tokens for x in steady) / seconds if seconds else 0.0
+        return steady_tokens_per_second(self.step_summaries)
 
     @property
     def steady_steps(self) -> list:
         """The steps after :data:`WARMUP_STEPS` (process start-up, caches), or all if there are no more."""
-        return self.step_summaries[WARMUP_STEPS:] or self.step_summaries
+        return steady(self.step_summaries)
 
     @property
     def wire_bytes_per_token(self) -> float:
         """Serialized bytes crossing one boundary per token, forward + backward."""
         total = self.wire_bytes_forward + self.wire_bytes_backward
         return total / max(1, self.boundaries) / max(1, self.tokens)
+
+
+def steady(steps: Sequence) -> list:
+    """The step summaries after :data:`WARMUP_STEPS` (process start-up, caches), or all if no more."""
+    return list(steps[WARMUP_STEPS:]) or list(steps)
+
+
+def steady_tokens_per_second(steps: Sequence) -> float:
+    """Tokens over the summed durations of the steady steps (:func:`steady`)."""
+    kept = steady(steps)
+    seconds = sum(x.wall_seconds for x in kept)
+    return sum(x.tokens for x in kept) / seconds if seconds else 0.0
 
 
 class ProcessGroup:
@@ -500,10 +510,11 @@ class StatusPoller:
         self.epochs_restarted = 0
         self.resume_step = 0  # where the current plan epoch resumed
         self.latest_cut = -1  # the newest durable checkpoint cut (-1: none yet)
+        self.reply: coordinator_pb2.StatusReply | None = None  # the whole of the last answer
 
     def poll(self) -> list[coordinator_pb2.StepSummary]:
         """The steps completed for the first time since the last poll."""
-        reply = self.stub.Status(coordinator_pb2.StatusRequest(since_step=0), timeout=10)
+        reply = self.reply = self.stub.Status(coordinator_pb2.StatusRequest(since_step=0), timeout=10)
         new = list(reply.steps[len(self.steps) :])
         self.steps = list(reply.steps)
         self.nodes, self.run_complete = list(reply.nodes), reply.run_complete

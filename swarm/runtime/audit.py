@@ -31,6 +31,7 @@ from swarm.runtime.wire import ActivationFrame, GradientFrame
 from swarm.runtime.worker import StageWorker
 
 DIRECTIONS = ("forward", "backward")
+SIDES = ("sent", "received")  # which end of a stream saw a frame
 
 
 @dataclass(frozen=True)
