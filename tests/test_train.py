@@ -10,7 +10,7 @@ import pytest
 from swarm.cli import main
 from swarm.core.config import MODEL_PRESETS, CodecConfig, RunConfig, TrainConfig
 from swarm.io.data import load_dataset
-from swarm.runtime.train import train
+from swarm.runtime.train import _same_run, train
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +141,17 @@ def test_a_progress_file_of_another_run_is_refused(dataset, tmp_path):
     other = dataclasses.replace(config, train=dataclasses.replace(config.train, lr=1e-4))
     with pytest.raises(ValueError, match="different run"):
         train(other, "cpu", dataset, False, eval_batches=1, resume=progress_file)
+
+
+def test_a_progress_file_written_before_a_configuration_section_existed_still_matches():
+    config = RunConfig(model=MODEL_PRESETS["tiny"], train=TrainConfig(seq_len=32), n_stages=2)
+    saved = json.loads(json.dumps(config.to_dict(), default=str))
+    del saved["audit"]  # a file written before the [audit] section was added
+    assert _same_run(saved, config)
+    audited = dataclasses.replace(config, audit=dataclasses.replace(config.audit, rate=0.5))
+    assert not _same_run(saved, audited)  # a non-default value of the new section is another run
+    saved["train"]["lr"] = 1.0
+    assert not _same_run(saved, config)
+    saved = json.loads(json.dumps(config.to_dict(), default=str))
+    saved["retired"] = {"x": 1}  # a section this version does not know
+    assert not _same_run(saved, config)

@@ -185,7 +185,7 @@ def _load_progress(
 ) -> Progress:
     """Load :func:`_save_progress`'s file into a freshly built pipeline; refuses another run's file."""
     state = torch.load(path, map_location="cpu", weights_only=True)
-    if state["config"] != json.dumps(config.to_dict(), sort_keys=True, default=str):
+    if not _same_run(json.loads(state["config"]), config):
         raise ValueError(f"{path} holds the progress of a different run; remove it to start afresh")
     for worker, saved, rotation in zip(pipe.workers, state["stages"], state["rotations"], strict=True):
         checkpoint.restore(worker, saved, sampler if worker.is_first else None)
@@ -197,6 +197,28 @@ def _load_progress(
     for name in ("val_losses", "off_subspace"):
         record[name] = [tuple(x) for x in record[name]]
     return Progress(**record)
+
+
+def _same_run(saved: dict, config: RunConfig) -> bool:
+    """Whether a progress file's ``saved`` configuration is ``config``'s: a section or field the file
+    lacks was added to the configuration since it was written and matches while it holds its default."""
+
+    def plain(d: dict) -> dict:
+        return json.loads(json.dumps(d, sort_keys=True, default=str))
+
+    def matches(saved: dict, current: dict, default: dict) -> bool:
+        for key, value in current.items():
+            if key not in saved:
+                if value != default.get(key):
+                    return False
+            elif isinstance(value, dict) and isinstance(saved[key], dict):
+                if not matches(saved[key], value, default.get(key, {})):
+                    return False
+            elif saved[key] != value:
+                return False
+        return saved.keys() <= current.keys()
+
+    return matches(saved, plain(config.to_dict()), plain(RunConfig().to_dict()))
 
 
 def _off_subspace_since(
