@@ -241,6 +241,7 @@ class Planner:
             replicas=self._replicas(),
             upload_snapshots=self.ledger.keepers.uploads(node),
             evidence_secret=self.ledger.evidence_secret(),
+            rotation_lineage=self.progress.rotation.lineage,
         )
 
     def neighbours(self, node_id: str, other_id: str) -> bool:

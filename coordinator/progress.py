@@ -50,7 +50,9 @@ class Progress:
         return self.completed >= self.config.train.steps - 1
 
     def epoch_started(self, resume_step: int) -> None:
-        """A plan epoch resumes at ``resume_step``: the steps from it on are to be done (again)."""
+        """A plan epoch resumes at ``resume_step``: the steps from it on are to be done (again), and the
+        rotations computed from them are withdrawn."""
+        self.rotation.rewind(resume_step, self.ledger.plan_epoch)
         self.timeline, self._reported = resume_step - 1, {}
         self._base, self._host_last = resume_step - 1, {}
 

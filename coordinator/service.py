@@ -558,7 +558,9 @@ class CoordinatorService(coordinator_pb2_grpc.CoordinatorServicer):
 
     async def WatchRotations(self, request, context) -> AsyncIterator[common_pb2.Rotation]:
         node_id = await self.gate.require_any_session(context)
-        async with contextlib.aclosing(self.rotation.watch(node_id, request.after_version)) as rotations:
+        async with contextlib.aclosing(
+            self.rotation.watch(node_id, request.after_version, request.lineage)
+        ) as rotations:
             async for rotation in rotations:
                 yield rotation
 

@@ -53,6 +53,7 @@ CREATE TABLE IF NOT EXISTS holders (
     digest TEXT NOT NULL, node_id TEXT NOT NULL, PRIMARY KEY (digest, node_id)
 );
 CREATE TABLE IF NOT EXISTS first_hosted (node_id TEXT PRIMARY KEY, step INTEGER NOT NULL);
+CREATE TABLE IF NOT EXISTS withdrawals (epoch INTEGER PRIMARY KEY, resume_step INTEGER NOT NULL);
 """
 
 
@@ -271,6 +272,22 @@ class CoordinatorState:
             "SELECT message FROM rotations WHERE version > ? ORDER BY version", (after_version,)
         )
         return [SubspaceRotation.from_bytes(bytes(r[0])) for r in rows]
+
+    def withdraw_rotations(self, resume_step: int, epoch: int) -> int:
+        """Delete the rotations effective after ``resume_step`` and the statistics of the steps from it
+        on: they were computed from a history that plan ``epoch`` discards. The number of rotations
+        withdrawn; a withdrawal of any is recorded (it starts a new :meth:`rotation_lineage`)."""
+        withdrawn = self.db.execute("DELETE FROM rotations WHERE effective_step > ?", (resume_step,)).rowcount
+        self.db.execute("DELETE FROM statistics WHERE step >= ?", (resume_step,))
+        if withdrawn:
+            self.db.execute("INSERT OR REPLACE INTO withdrawals VALUES (?, ?)", (epoch, resume_step))
+        return withdrawn
+
+    def rotation_lineage(self) -> int:
+        """The plan epoch that last withdrew rotations (0: none ever was): rotations a node holds
+        from an earlier lineage may have been withdrawn."""
+        row = self.db.execute("SELECT MAX(epoch) FROM withdrawals").fetchone()
+        return int(row[0] or 0)
 
     def last_rotation(self) -> SubspaceRotation | None:
         row = self.db.execute("SELECT message FROM rotations ORDER BY version DESC LIMIT 1").fetchone()

@@ -76,7 +76,8 @@ class CoordinatorClient:
         self.audit_suspects: frozenset[str] = frozenset()  # nodes to audit at the raised rate, as last heard
         self.on_keep: Callable[[list[cpb.StageCheckpoint]], None] = lambda orders: None  # called with them
         self.fatal: Fenced | CoordinatorUnreachable | None = None
-        self.rotations: dict[int, SubspaceRotation] = {}
+        self.rotations: dict[int, SubspaceRotation] = {}  # version -> rotation, of rotation_lineage
+        self.rotation_lineage = 0
         self._changed = asyncio.Event()
         self._rotation_arrived = asyncio.Event()
         self._reports: asyncio.Queue[tuple[str, object]] = asyncio.Queue()
@@ -284,9 +285,15 @@ class CoordinatorClient:
         """Follow the rotation stream; re-open it from the last version held whenever it breaks."""
         while True:
             after = max(self.rotations, default=0)
-            request = cpb.WatchRotationsRequest(node_id=self.node_id, after_version=after)
+            request = cpb.WatchRotationsRequest(
+                node_id=self.node_id, after_version=after, lineage=self.rotation_lineage
+            )
             try:
                 async for pb in self.stub.WatchRotations(request, metadata=self.credentials):
+                    if pb.lineage < self.rotation_lineage:
+                        continue
+                    if pb.lineage > self.rotation_lineage:  # some of what it holds was withdrawn
+                        self.rotations, self.rotation_lineage = {}, pb.lineage
                     rotation = rotation_from_proto(pb)
                     self.rotations[rotation.version] = rotation
                     self._rotation_arrived.set()
@@ -294,11 +301,12 @@ class CoordinatorClient:
                 log.info("rotation stream broke (%s); re-opening", e.code().name)
             await asyncio.sleep(self.timeouts.retry_initial_s * random.uniform(1, 4))
 
-    async def rotation(self, version: int) -> SubspaceRotation:
-        """The rotation to ``version``, waiting for it up to ``Timeouts.rotation_s``."""
+    async def rotation(self, version: int, lineage: int) -> SubspaceRotation:
+        """The rotation to ``version`` in ``lineage`` (the plan's), waiting for it up to
+        ``Timeouts.rotation_s``."""
 
         async def arrived() -> SubspaceRotation:
-            while version not in self.rotations:
+            while self.rotation_lineage != lineage or version not in self.rotations:
                 self._rotation_arrived.clear()
                 await self._rotation_arrived.wait()
             return self.rotations[version]

@@ -223,7 +223,7 @@ class StageHost:
             """Before a step at which a rotation is due, wait for it and hand it to the worker."""
             if step == 0 or step % interval:
                 return
-            rotation = await self.client.rotation(step // interval)
+            rotation = await self.client.rotation(step // interval, self.plan.rotation_lineage)
             if worker.version < rotation.version:
                 worker.schedule_rotation(rotation)
                 say(

@@ -16,18 +16,17 @@ from tests.test_replicas import single_process_losses
 STEPS = 24
 
 
-def audited_run(folder: Path, rotations: bool = True) -> RunConfig:
+def audited_run(folder: Path) -> RunConfig:
     """Two stages, six microbatches a step, up to three replicas per stage; stage 1 emulated slow so
-    the replicas that join go to it; every sibling microbatch audited (rate 1); rotations on unless
-    said (an audit must recompute with the basis the step ran under)."""
+    the replicas that join go to it; every sibling microbatch audited (rate 1); rotations on (an
+    audit must recompute with the basis the step ran under)."""
     config = tiny_run(folder, STEPS, n_stages=2, checkpoint_interval=4)
     config.train = TrainConfig(
         steps=STEPS, batch_size=6, seq_len=32, microbatches=6, warmup_steps=2, replicas=3
     )
     config.emulation = EmulationConfig(slow_stage=1, slowdown=4.0)
     config.audit = AuditConfig(rate=1.0)
-    if rotations:
-        config.rotation = RotationConfig(interval=3, max_angle=0.1)
+    config.rotation = RotationConfig(interval=3, max_angle=0.1)
     return RunConfig.from_dict(config.to_dict())  # validated
 
 
@@ -70,15 +69,16 @@ def _hosts(reply, name: str) -> bool:
 
 @pytest.mark.parametrize("mode", ["sign", pytest.param("stale", marks=pytest.mark.slow)])
 def test_a_lying_replica_is_evicted_and_the_run_ends_as_if_it_never_joined(tmp_path, mode):
-    # (no rotations: a rollback keeps the rotations published after its cut, whose statistics the
-    # liar's gradients touched; docs/security.md)
-    config = audited_run(tmp_path, rotations=False)
+    # rotations on: those published after the cut were computed from statistics the liar's values
+    # fed; the rollback withdraws them and the rerun computes them again without it
+    config = audited_run(tmp_path)
     assert config.audits
     final, coordinator_log, liar_id = run_four(tmp_path, config, ["n0", "liar", "n2", "n3"], mode)
     assert not any(n.node_name == "liar" and n.alive for n in final.nodes)
     assert "(liar) evicted: 2 distinct auditors found it computing wrong" in coordinator_log
     # to before the liar's first step (step 0): every step redone without it
     assert "resume at step 0 (the newest cut before step 0)" in coordinator_log
+    assert "rotation(s) effective after step 0: lineage" in coordinator_log  # and made again
     assert final.epochs_restarted >= 1
     assert final.audits_mismatched >= 2 and final.audits_matched >= 1
     # every mismatch was the liar's: the honest replicas audit each other all run long, unflagged
@@ -93,7 +93,7 @@ def test_a_lying_auditor_is_evicted_and_the_honest_replicas_it_accused_stay(tmp_
     """A replica that computes honestly but reports every audit of its siblings as a mismatch: its
     accusations stay unconfirmed, the siblings' clean audits of each other contradict them, and it
     is evicted without a rollback; the run ends with the single-process losses."""
-    config = audited_run(tmp_path)  # rotations on: nothing rolls back here
+    config = audited_run(tmp_path)
     _, coordinator_log, accuser_id = run_four(tmp_path, config, ["n0", "n1", "accuser", "n3"], "accuse")
     assert f"node {accuser_id[:8]} (accuser) evicted: its" in coordinator_log, coordinator_log[-3000:]
     assert "distinct auditors found it computing wrong" not in coordinator_log  # no honest node evicted

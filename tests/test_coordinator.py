@@ -965,6 +965,56 @@ def test_rotation_from_reports_matches_reference_and_streams(tmp_path):
     run(scenario())
 
 
+def test_an_epoch_resuming_before_a_rotation_withdraws_it_and_starts_a_new_lineage(tmp_path):
+    """A rotation computed from steps an epoch discards is withdrawn: the watch streams end, the new
+    plan names a new lineage, a node holding the old one is streamed everything anew, and the rerun's
+    statistics make the rotation again (from what they are now); the lineage survives a restart."""
+    config = rotating_config(n_stages=2, interval=1)
+    state = tmp_path / "state.sqlite"
+    d, k = config.model.d_model, config.model.subspace_rank
+    first, rerun = (
+        torch.randn(d, k, dtype=torch.float64, generator=torch.Generator().manual_seed(s)) for s in (1, 2)
+    )
+
+    async def first_life() -> tuple[int, dict[str, str]]:
+        async with coordinator(state, config) as h:
+            a, b = await h.join("a"), await h.join("b")
+            epoch = b.plan.epoch
+            assert b.plan.rotation_lineage == 0
+            assert (await h.report(statistic(b.node_id, 1, 0, first, epoch=epoch))).accepted
+            watch = h.stub.WatchRotations(coordinator_pb2.WatchRotationsRequest(after_version=0))
+            held = await asyncio.wait_for(watch.read(), 5)
+            assert (held.version, held.lineage) == (1, 0)
+            # A boundary breaks before any cut: the next epoch resumes at step 0, before the rotation.
+            await h.failure(a.node_id, epoch)
+            plan = (await h.heartbeat(b.node_id, epoch)).plan
+            assert plan.epoch > epoch and plan.resume_step == 0 and plan.rotation_lineage == plan.epoch
+            assert await asyncio.wait_for(watch.read(), 5) is grpc.aio.EOF  # the stream ended
+            assert h.service.rotation.version == 0 and h.sample("swarm_subspace_version") == 0
+            # The node re-opens from what it holds (version 1, lineage 0): it gets the rerun's rotation.
+            again = h.stub.WatchRotations(coordinator_pb2.WatchRotationsRequest(after_version=1, lineage=0))
+            assert (await h.report(statistic(b.node_id, 1, 0, rerun, epoch=plan.epoch))).accepted
+            remade = await asyncio.wait_for(again.read(), 5)
+            expected = next_rotation(initial_artifacts(config)[1], [rerun], 0, 1, config.rotation)
+            assert (remade.version, remade.lineage) == (1, plan.epoch)
+            assert rotation_from_proto(remade).digest == expected.digest != rotation_from_proto(held).digest
+            again.cancel()
+            return plan.epoch, {a.node_id: a.session, b.node_id: b.session}
+
+    async def second_life(lineage: int, sessions: dict[str, str]) -> None:
+        credentials = NodeCredentials()
+        credentials.sessions = sessions
+        async with coordinator(state, config, credentials=credentials) as h:
+            assert h.service.rotation.lineage == lineage and h.service.rotation.version == 1
+            current = h.stub.WatchRotations(
+                coordinator_pb2.WatchRotationsRequest(after_version=0, lineage=lineage)
+            )
+            assert (await asyncio.wait_for(current.read(), 5)).lineage == lineage
+            current.cancel()
+
+    run(second_life(*run(first_life())))
+
+
 def test_restart_resumes_run_secret_nodes_and_rotations(tmp_path):
     config = rotating_config(n_stages=2, interval=1)
     state = tmp_path / "state.sqlite"

@@ -144,6 +144,7 @@ def test_plan_schema() -> None:
         "upload_snapshots": 7,
         "rebuild": 8,
         "evidence_secret": 9,
+        "rotation_lineage": 10,
     }
     assert fields(coordinator_pb2.StageReplica) == {
         "node_id": 1,

@@ -62,17 +62,19 @@ class GradientFrame(_message.Message):
     def __init__(self, step: _Optional[int] = ..., microbatch: _Optional[int] = ..., subspace_version: _Optional[int] = ..., payload: _Optional[_Union[EncodedTensor, _Mapping]] = ..., zstd: _Optional[bool] = ...) -> None: ...
 
 class Rotation(_message.Message):
-    __slots__ = ("version", "effective_step", "basis_f64_le", "d", "k", "digest")
+    __slots__ = ("version", "effective_step", "basis_f64_le", "d", "k", "digest", "lineage")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     EFFECTIVE_STEP_FIELD_NUMBER: _ClassVar[int]
     BASIS_F64_LE_FIELD_NUMBER: _ClassVar[int]
     D_FIELD_NUMBER: _ClassVar[int]
     K_FIELD_NUMBER: _ClassVar[int]
     DIGEST_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     version: int
     effective_step: int
     basis_f64_le: bytes
     d: int
     k: int
     digest: str
-    def __init__(self, version: _Optional[int] = ..., effective_step: _Optional[int] = ..., basis_f64_le: _Optional[bytes] = ..., d: _Optional[int] = ..., k: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
+    lineage: int
+    def __init__(self, version: _Optional[int] = ..., effective_step: _Optional[int] = ..., basis_f64_le: _Optional[bytes] = ..., d: _Optional[int] = ..., k: _Optional[int] = ..., digest: _Optional[str] = ..., lineage: _Optional[int] = ...) -> None: ...

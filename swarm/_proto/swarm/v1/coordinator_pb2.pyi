@@ -107,7 +107,7 @@ class SnapshotHolder(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., address: _Optional[str] = ..., certificate: _Optional[str] = ..., access: _Optional[str] = ...) -> None: ...
 
 class Plan(_message.Message):
-    __slots__ = ("epoch", "stages", "links", "resume_step", "restore", "replicas", "upload_snapshots", "rebuild", "evidence_secret")
+    __slots__ = ("epoch", "stages", "links", "resume_step", "restore", "replicas", "upload_snapshots", "rebuild", "evidence_secret", "rotation_lineage")
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STAGES_FIELD_NUMBER: _ClassVar[int]
     LINKS_FIELD_NUMBER: _ClassVar[int]
@@ -117,6 +117,7 @@ class Plan(_message.Message):
     UPLOAD_SNAPSHOTS_FIELD_NUMBER: _ClassVar[int]
     REBUILD_FIELD_NUMBER: _ClassVar[int]
     EVIDENCE_SECRET_FIELD_NUMBER: _ClassVar[int]
+    ROTATION_LINEAGE_FIELD_NUMBER: _ClassVar[int]
     epoch: int
     stages: _containers.RepeatedScalarFieldContainer[int]
     links: _containers.RepeatedCompositeFieldContainer[BoundaryLink]
@@ -126,7 +127,8 @@ class Plan(_message.Message):
     upload_snapshots: bool
     rebuild: _containers.RepeatedScalarFieldContainer[int]
     evidence_secret: str
-    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., resume_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageReplicas, _Mapping]]] = ..., upload_snapshots: _Optional[bool] = ..., rebuild: _Optional[_Iterable[int]] = ..., evidence_secret: _Optional[str] = ...) -> None: ...
+    rotation_lineage: int
+    def __init__(self, epoch: _Optional[int] = ..., stages: _Optional[_Iterable[int]] = ..., links: _Optional[_Iterable[_Union[BoundaryLink, _Mapping]]] = ..., resume_step: _Optional[int] = ..., restore: _Optional[_Iterable[_Union[StageCheckpoint, _Mapping]]] = ..., replicas: _Optional[_Iterable[_Union[StageReplicas, _Mapping]]] = ..., upload_snapshots: _Optional[bool] = ..., rebuild: _Optional[_Iterable[int]] = ..., evidence_secret: _Optional[str] = ..., rotation_lineage: _Optional[int] = ...) -> None: ...
 
 class StageReplica(_message.Message):
     __slots__ = ("node_id", "microbatches", "averaging_address", "address")
@@ -383,12 +385,14 @@ class ArtifactChunk(_message.Message):
     def __init__(self, node_id: _Optional[str] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ..., total_size: _Optional[int] = ..., digest: _Optional[str] = ...) -> None: ...
 
 class WatchRotationsRequest(_message.Message):
-    __slots__ = ("node_id", "after_version")
+    __slots__ = ("node_id", "after_version", "lineage")
     NODE_ID_FIELD_NUMBER: _ClassVar[int]
     AFTER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    LINEAGE_FIELD_NUMBER: _ClassVar[int]
     node_id: str
     after_version: int
-    def __init__(self, node_id: _Optional[str] = ..., after_version: _Optional[int] = ...) -> None: ...
+    lineage: int
+    def __init__(self, node_id: _Optional[str] = ..., after_version: _Optional[int] = ..., lineage: _Optional[int] = ...) -> None: ...
 
 class StatisticsReport(_message.Message):
     __slots__ = ("node_id", "stage", "step", "boundary", "subspace_version", "gram_times_basis_f64_le", "off_energy", "total_energy", "rows", "plan_epoch")
