@@ -51,6 +51,8 @@ class VerificationPlan:
     rates: tuple[float, ...] = (0.01, 0.02, 0.05)
     fractions: tuple[float, ...] = (1.0, 0.1)
     epoch_steps: int = 50  # an epoch's steps, for the per-epoch detection chance
+    suspect_rate: float = AuditConfig().suspect_rate  # a suspect's audit rate (after a first mismatch)
+    notice_steps: int = 2  # steps between a first mismatch and its siblings auditing at suspect_rate
     trials: int = 2000  # simulated epochs per (p, f) for the draw
     live: LivePlan | None = None  # live swarms (None: in process only)
 
@@ -160,20 +162,35 @@ def needed(
 
 
 def simulate(
-    p: float, f: float, q: float, microbatches: int, steps: int, trials: int, auditors: int = 2, seed: int = 0
+    p: float,
+    f: float,
+    q: float,
+    microbatches: int,
+    steps: int,
+    trials: int,
+    suspect_rate: float = 0.0,
+    notice_steps: int = 0,
+    auditors: int = 2,
+    seed: int = 0,
 ) -> float:
     """The share of simulated epochs in which ``auditors`` siblings, each drawing privately as the
-    nodes do (:mod:`swarm.node.auditor`), all flag a lie (two confirmations out of two)."""
+    nodes do (:mod:`swarm.node.auditor`), all flag a lie (two confirmations out of two). With
+    ``suspect_rate``: once one of them flagged a lie, the node is a suspect and, ``notice_steps``
+    steps later (the report, the heartbeat that names it), every sibling audits it at that rate."""
     rng = random.Random(seed)
     caught = 0
     for _ in range(trials):
         flagged: set[int] = set()
-        for _step in range(steps):
+        suspect_from = math.inf
+        for step in range(steps):
+            rate = max(p, suspect_rate) if step >= suspect_from else p
             for _mb in range(microbatches):
                 lie = rng.random() < f
                 for a in range(auditors):
-                    if rng.random() < p and lie and rng.random() < q:
+                    if rng.random() < rate and lie and rng.random() < q:
                         flagged.add(a)
+            if flagged and suspect_from == math.inf:
+                suspect_from = step + 1 + notice_steps
             if len(flagged) == auditors:
                 caught += 1
                 break
@@ -220,6 +237,10 @@ def run(p: VerificationPlan) -> dict:
             "epoch_microbatches": p.epoch_steps * m,
             "caught": caught_within(q, rate, f, p.epoch_steps * m),
             "simulated": simulate(rate, f, q, m, p.epoch_steps, p.trials),
+            "as_built": simulate(rate, f, q, m, p.epoch_steps, p.trials, p.suspect_rate, p.notice_steps),
+            "as_built_3": simulate(
+                rate, f, q, m, 3 * p.epoch_steps, p.trials, p.suspect_rate, p.notice_steps
+            ),
             "needed_99": needed(q, rate, f, 0.99),
             "needed_95": needed(q, rate, f, 0.95),
         }
@@ -232,7 +253,15 @@ def run(p: VerificationPlan) -> dict:
         "recompute_seconds": fp32["audit_seconds"],
         "step_seconds": fp32["step_seconds"],
     }
-    out = {"modes": modes, "honest": honest, "epochs": epochs, "overhead": overhead, "microbatches": m}
+    out = {
+        "modes": modes,
+        "honest": honest,
+        "epochs": epochs,
+        "overhead": overhead,
+        "microbatches": m,
+        "suspect_rate": p.suspect_rate,
+        "notice_steps": p.notice_steps,
+    }
     if p.live is not None:
         out["live"] = live(p.live)
     return out
@@ -299,13 +328,17 @@ def section(r: dict) -> list[str]:
         f"Evicted within an epoch ({r['epochs'][0]['epoch_microbatches']} of the node's microbatches, "
         f"{r['microbatches']} per step): each of its two sibling auditors recomputes each microbatch "
         "with probability p, privately, and eviction needs both to have flagged a lie (one auditor "
-        "never evicts); simulated: the auditors' draws over random trials:",
+        "never evicts). *At p*: neither raises its rate (closed form, the draws simulated beside it, "
+        "and the microbatches that takes for 99% and 95%); *as built*: a first mismatch makes the node "
+        f"a suspect, and {r['notice_steps']} steps later both siblings audit it at "
+        f"{r['suspect_rate']:.0%} (simulated; within one epoch and within three):",
         "",
-        "| p | share of microbatches lied on | evicted | simulated | microbatches for 99% | for 95% |",
-        "|---|---|---|---|---|---|",
+        "| p | share of microbatches lied on | at p | simulated | for 99% | for 95% | as built | "
+        "as built, 3 epochs |",
+        "|---|---|---|---|---|---|---|---|",
         *(
             f"| {e['rate']:.0%} | {e['fraction']:g} | {e['caught']:.3f} | {e['simulated']:.3f} | "
-            f"{e['needed_99']:.0f} | {e['needed_95']:.0f} |"
+            f"{e['needed_99']:.0f} | {e['needed_95']:.0f} | {e['as_built']:.3f} | {e['as_built_3']:.3f} |"
             for e in r["epochs"]
         ),
         "",

@@ -149,6 +149,8 @@ def _verification(results: dict, report: str) -> None:
         x["false_alarms"] == 0 for x in audits["honest"]
     )
     assert all(0 < e["caught"] <= 1 and 0 <= e["simulated"] <= 1 for e in audits["epochs"])
+    # raising a suspect's rate only helps: as built catches at least what the plain draw does
+    assert all(e["as_built"] >= e["simulated"] - 0.05 for e in audits["epochs"])
     assert "## Verification: sampled recomputation" in report
 
 
