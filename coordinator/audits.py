@@ -3,12 +3,13 @@
 In runs with audits (``RunConfig.audits``) each replica of a stage recomputes some of its siblings'
 microbatches from the frames their neighbours kept and reports the outcome: ``match``, ``mismatch``
 or ``unavailable`` (the evidence was gone or unreachable), counted in ``swarm status`` and
-``swarm_audits_total``. A report is refused unless its auditor could have made it: a host of the
-stage (the service checks) auditing another node that the current epoch dealt that microbatch of
-that stage. One auditor's mismatches never evict (it may be the liar); once ``audit.confirmations``
-distinct auditors (parties: nodes sharing a personal join token count once) found the same node
-computing wrong, it is evicted through ``evict``, which rolls the run back past everything it
-contributed to.
+``swarm_audits_total``. A report is refused unless its auditor could have made it: an alive host
+of the stage in the report's epoch auditing another node that epoch dealt that microbatch of that
+stage; the epoch may have ended since (an audit runs off the critical path, after its step) if it is
+one of the last :data:`~swarm.coordinator.ledger.PAST_DEALS`. One auditor's mismatches never evict
+(it may be the liar); once ``audit.confirmations`` distinct auditors (parties: nodes sharing a
+personal join token count once) found the same node computing wrong, it is evicted through
+``evict``, which rolls the run back past everything it contributed to.
 
 An auditor that lies is caught by the others' audits of the node it accuses: an accused node is a
 suspect (its siblings audit it at ``audit.suspect_rate``), and an accuser whose reports of it are
@@ -25,7 +26,7 @@ import logging
 from collections.abc import Callable
 
 from swarm.coordinator.errors import Rejected
-from swarm.coordinator.ledger import Ledger
+from swarm.coordinator.ledger import PAST_DEALS, Ledger
 from swarm.coordinator.roster import Roster
 from swarm.coordinator.state import NodeRecord
 
@@ -63,8 +64,8 @@ class Audits:
         self.lines: collections.deque[str] = collections.deque(maxlen=kept)  # newest mismatches, evictions
 
     def add(self, report: coordinator_pb2.AuditReport) -> None:
-        """Count ``report`` (from an authenticated host of ``report.stage`` in the current epoch);
-        evict its accused on the last confirmation needed. :class:`Rejected` if it could not be."""
+        """Count ``report`` (from an authenticated node); evict its accused on the last confirmation
+        needed. :class:`Rejected` if it could not have been made."""
         self._check(report)
         self.counts[report.outcome] += 1
         self.metrics.audits.labels(outcome=report.outcome).inc()
@@ -108,8 +109,21 @@ class Audits:
             raise Rejected("malformed", f"audit outcome {r.outcome[:20]!r} is not one of {OUTCOMES}")
         if r.audited_node_id == r.node_id:
             raise Rejected("bad_audit", f"node {r.node_id[:8]} reports an audit of itself")
-        dealt = self.ledger.dealt[r.stage] if r.stage < len(self.ledger.dealt) else {}
-        if dealt.get(r.microbatch) != r.audited_node_id:
+        if self.roster.alive_node(r.node_id) is None:
+            raise Rejected("unknown_node", f"node {r.node_id[:8]!r} is not in the run")
+        deal = self.ledger.deal_of(r.plan_epoch)
+        if deal is None:
+            raise Rejected(
+                "stale_epoch",
+                f"plan epoch {r.plan_epoch} is neither the current one ({self.ledger.plan_epoch}) nor one "
+                f"of the {PAST_DEALS} before it",
+            )
+        owners, dealt_in = deal
+        if r.stage >= len(owners) or r.node_id not in owners[r.stage]:
+            raise Rejected(
+                "not_hosting", f"node {r.node_id[:8]} did not host stage {r.stage} in epoch {r.plan_epoch}"
+            )
+        if dealt_in[r.stage].get(r.microbatch) != r.audited_node_id:
             raise Rejected(
                 "bad_audit",
                 f"node {r.audited_node_id[:8]!r} did not compute microbatch {r.microbatch} of stage "

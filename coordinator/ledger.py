@@ -30,6 +30,7 @@ from swarm.ops.metrics import Metrics
 from swarm.runtime.replicas import deal
 
 log = logging.getLogger("swarm.coordinator")
+PAST_DEALS = 4  # ended epochs whose deals are kept (their late audit reports still count)
 
 
 class Ledger:
@@ -51,6 +52,10 @@ class Ledger:
         self.resume_step, self.restarts = run.resume_step, run.restarts
         self.checkpoints = {(r.step, r.stage): r for r in state.checkpoints()}
         self.dealt: list[dict[int, str]] = []  # per stage: microbatch -> the replica processing it
+        self.owners: Owners = []  # per stage: its hosts this epoch
+        # the last PAST_DEALS epochs before this one: epoch -> (owners, dealt) (reports made in an
+        # epoch may arrive after it ended: audits run off the critical path)
+        self.past_deals: dict[int, tuple[Owners, list[dict[int, str]]]] = {}
         self.cut_requests = 0  # cuts asked for (leaving nodes, replicas joining): see request_cut
         self.news = Bulletin()  # held heartbeats wait on it: epochs, cut requests, the run's end
         self.from_own_states = False  # whether this epoch resumed from its hosts' own states
@@ -60,11 +65,21 @@ class Ledger:
         self.rebuild_cut, self.rebuilt = -1, frozenset[int]()
 
     def deal(self, owners: Owners, rates: Sequence[Sequence[float]]) -> None:
-        """Deal each stage's microbatches among its hosts by their rates, for this epoch."""
-        self.dealt = []
+        """Deal each stage's microbatches among its hosts by their rates, for the epoch about to start
+        (the current epoch's deal is kept among the past ones)."""
+        if self.dealt:
+            self.past_deals[self.plan_epoch] = (self.owners, self.dealt)
+            for old in sorted(self.past_deals)[:-PAST_DEALS]:
+                del self.past_deals[old]
+        self.owners, self.dealt = [tuple(hosts) for hosts in owners], []
         for hosts, stage_rates in zip(owners, rates, strict=True):
             shares = deal(self.config.train.microbatches, list(stage_rates)) if hosts else []
             self.dealt.append({mb: node for node, mbs in zip(hosts, shares, strict=True) for mb in mbs})
+
+    def deal_of(self, epoch: int) -> tuple[Owners, list[dict[int, str]]] | None:
+        """Every stage's hosts and the microbatches dealt to them in plan ``epoch``: this one or one
+        of the :data:`PAST_DEALS` before it that this coordinator planned (else None)."""
+        return (self.owners, self.dealt) if epoch == self.plan_epoch else self.past_deals.get(epoch)
 
     def microbatches(self, stage: int, node_id: str) -> list[int]:
         """The microbatches of ``stage`` dealt to ``node_id`` this epoch, ascending."""

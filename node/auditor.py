@@ -33,6 +33,7 @@ from swarm.runtime.worker import StageWorker
 
 log = logging.getLogger(__name__)
 FETCH_S = 10.0  # one evidence call
+CLOSE_GRACE_S = 5.0  # how long an ended epoch's audits may still run
 Frame = ActivationFrame | GradientFrame
 
 
@@ -211,7 +212,10 @@ class Auditor:
             raise EvidenceUnavailable(f"node {node[:8]} sent a malformed frame: {e}") from None
 
     async def close(self) -> None:
-        """Cancel the audits still running and close the evidence channels (the epoch ended)."""
+        """The epoch ended: give the audits still running up to :data:`CLOSE_GRACE_S` to finish
+        (their reports still count, made in this epoch), cancel the rest, close the evidence channels."""
+        if self.tasks:
+            await asyncio.wait(list(self.tasks), timeout=CLOSE_GRACE_S)
         for task in list(self.tasks):
             task.cancel()
         await asyncio.gather(*self.tasks, return_exceptions=True)

@@ -10,6 +10,7 @@ import hmac
 
 import grpc
 from swarm.coordinator.audits import CONTRADICTING_MATCHES, LIAR_MISMATCHES
+from swarm.coordinator.ledger import PAST_DEALS
 
 from swarm._proto.swarm.v1 import coordinator_pb2
 from swarm.core.config import AuditConfig, ReplicaSyncConfig, RunConfig
@@ -138,13 +139,14 @@ def test_reports_no_auditor_could_have_made_are_refused(tmp_path):
         async with coordinator(tmp_path / "state.sqlite", AUDITED) as h:
             a, b, (x, z) = await replicated(h, extra=2)
             x_mb = h.service.ledger.microbatches(0, x.id)[0]  # dealt to x, not to z
+            epoch = h.service.ledger.plan_epoch
             for report, code, label in [
                 (audit_report(h, a, a), grpc.StatusCode.INVALID_ARGUMENT, "bad_audit"),  # itself
                 (audit_report(h, a, b), grpc.StatusCode.INVALID_ARGUMENT, "bad_audit"),  # not stage 0's
                 (audit_report(h, a, z, microbatch=x_mb), grpc.StatusCode.INVALID_ARGUMENT, "bad_audit"),
                 (audit_report(h, b, z), grpc.StatusCode.ABORTED, "not_hosting"),  # b audits nobody here
                 (audit_report(h, a, z, outcome="maybe"), grpc.StatusCode.INVALID_ARGUMENT, "malformed"),
-                (audit_report(h, a, z, plan_epoch=1), grpc.StatusCode.ABORTED, "stale_epoch"),
+                (audit_report(h, a, z, plan_epoch=epoch + 1), grpc.StatusCode.ABORTED, "stale_epoch"),
             ]:
                 before = h.rejected(label)
                 assert await refused(h.stub.ReportAudit(report, timeout=RPC_TIMEOUT)) == code
@@ -152,6 +154,36 @@ def test_reports_no_auditor_could_have_made_are_refused(tmp_path):
             status = await h.status()
             assert (status.audits_matched, status.audits_mismatched, status.audits_unavailable) == (0, 0, 0)
             assert not status.audit_lines and not h.service.audits.accusers
+
+    run(scenario())
+
+
+def test_a_report_made_in_an_ended_epoch_counts_while_that_epochs_deal_is_kept(tmp_path):
+    """An audit finishes after its step, maybe after its epoch: its report is checked against the
+    deal of the epoch it was made in, for the last PAST_DEALS epochs; older ones are refused."""
+
+    async def scenario() -> None:
+        async with coordinator(tmp_path / "state.sqlite", AUDITED) as h:
+            a, b, (x, z) = await replicated(h, extra=2)
+            made = audit_report(h, a, z)  # in this epoch, on a microbatch dealt to z in it
+            h.service.planner.new_epoch("a boundary broke")
+            await h.stub.ReportAudit(made, timeout=RPC_TIMEOUT)
+            assert h.service.audits.accusers == {z.id: {a.id}}
+            # the epoch's hosts are checked as they were: b did not host stage 0 then
+            elsewhere = coordinator_pb2.AuditReport()
+            elsewhere.CopyFrom(made)
+            elsewhere.node_id = b.id
+            assert (
+                await refused(h.stub.ReportAudit(elsewhere, timeout=RPC_TIMEOUT)) == grpc.StatusCode.ABORTED
+            )
+            assert h.rejected("not_hosting") == 1
+            for _ in range(PAST_DEALS):
+                h.service.planner.new_epoch("a boundary broke")
+            late = coordinator_pb2.AuditReport()
+            late.CopyFrom(made)
+            late.node_id = x.id
+            assert await refused(h.stub.ReportAudit(late, timeout=RPC_TIMEOUT)) == grpc.StatusCode.ABORTED
+            assert h.rejected("stale_epoch") == 1 and h.service.audits.accusers == {z.id: {a.id}}
 
     run(scenario())
 
