@@ -43,6 +43,11 @@ class LiveRun:
         return steady_tokens_per_second(self.status.steps)
 
     @property
+    def evictions(self) -> int:
+        """Evictions the coordinator's audit lines record (of anyone)."""
+        return sum("evicted" in line for line in self.status.audit_lines)
+
+    @property
     def liar_evicted(self) -> bool:
         """Whether the coordinator's audit lines record the liar's eviction."""
         return bool(self.liar) and any(

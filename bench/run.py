@@ -269,7 +269,7 @@ def plan(quick: bool) -> BenchPlan:
             TrainConfig(batch_size=8, seq_len=32, microbatches=4, lr=1e-2, warmup_steps=2),
             steps=12,
             honest_seeds=20,
-            live=verification.LivePlan(),
+            live=verification.LivePlan(honest_runs=20),
         ),
     )
 

@@ -85,13 +85,17 @@ def section(r: dict) -> list[str]:
             for row in s["table"]
         ),
         "",
-        "Transfer checks (a local sweep one grid point each way at a wider width):",
+        "Transfer checks (a local sweep at a wider width from one grid point each way of the "
+        "transferred lr, extended until its best point is interior; goal: the transferred lr within "
+        "one grid point of the local best):",
         "",
-        "| d | method | transferred lr | losses (lr/2, lr, 2 lr) | holds |",
-        "|---|---|---|---|---|",
+        "| d | method | transferred lr | local losses (lr: loss) | local best | holds | within one |",
+        "|---|---|---|---|---|---|---|",
         *(
             f"| {t['d']} | {t['method']} | {t['lr']:.3g} | "
-            f"{', '.join(f'{v:.3f}' for v in t['check']['losses'].values())} | {t['check']['holds']} |"
+            f"{', '.join(f'{float(k):.3g}: {v:.3f}' for k, v in t['check']['losses'].items())} | "
+            f"{t['check'].get('best', float('nan')):.3g} | {t['check']['holds']} | "
+            f"{t['check'].get('within_one', '-')} |"
             for t in s["transfer"]
             if t["check"]
         ),

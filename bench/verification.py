@@ -68,10 +68,14 @@ class LivePlan:
     rate: float = 0.02
     fault: str = "sign"
     nodes: int = 6
+    # honest runs for the false evictions: every sibling microbatch audited, a seed each
+    honest_runs: int = 0
+    honest_steps: int = 30
 
-    def config(self, rate: float) -> RunConfig:
+    def config(self, rate: float, steps: int | None = None, seed: int = 0) -> RunConfig:
         t = TrainConfig(
-            steps=self.steps,
+            seed=seed,
+            steps=steps or self.steps,
             batch_size=self.microbatches,
             seq_len=32,
             microbatches=self.microbatches,
@@ -273,8 +277,20 @@ def live(p: LivePlan) -> dict:
         off = run_live(p.config(0.0), Path(tmp) / "off", p.nodes)
         on = run_live(p.config(p.rate), Path(tmp) / "on", p.nodes)
         lying = run_live(p.config(p.rate), Path(tmp) / "liar", p.nodes, liar=1, fault=p.fault)
+        honest = [
+            run_live(p.config(1.0, p.honest_steps, seed), Path(tmp) / f"honest{seed}", p.nodes)
+            for seed in range(p.honest_runs)
+        ]
     honest_loss = off.status.steps[-1].loss
     return {
+        "honest_runs": {
+            "runs": len(honest),
+            "steps": p.honest_steps,
+            "matched": sum(r.status.audits_matched for r in honest),
+            "mismatched": sum(r.status.audits_mismatched for r in honest),
+            "unavailable": sum(r.status.audits_unavailable for r in honest),
+            "evictions": sum(r.evictions for r in honest),
+        },
         "steps": p.steps,
         "rate": p.rate,
         "fault": p.fault,
@@ -375,5 +391,15 @@ def _live_section(v: dict) -> list[str]:
         "seven processes share two cores here, so the ratio is noisy).",
         "",
         *(f"* {line}" for line in runs["liar"]["lines"]),
+        "",
+        *(_honest_runs_line(v["honest_runs"]) if v.get("honest_runs", {}).get("runs") else []),
+    ]
+
+
+def _honest_runs_line(h: dict) -> list[str]:
+    return [
+        f"False evictions: {h['runs']} honest live runs ({h['steps']} steps each, a seed each, every "
+        f"sibling microbatch audited): {h['matched']} audits matched, {h['mismatched']} mismatched, "
+        f"{h['unavailable']} unavailable; {h['evictions']} evictions (goal: none in 20 runs).",
         "",
     ]

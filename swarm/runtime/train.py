@@ -11,7 +11,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from swarm.core.config import RunConfig
+from swarm.codecs.base import PayloadError
+from swarm.core.config import RunConfig, config_hash
 from swarm.core.device import pick_device
 from swarm.core.subspace import SubspaceRotation
 from swarm.io import checkpoint, model_io
@@ -188,7 +189,12 @@ def _load_progress(
     if not _same_run(json.loads(state["config"]), config):
         raise ValueError(f"{path} holds the progress of a different run; remove it to start afresh")
     for worker, saved, rotation in zip(pipe.workers, state["stages"], state["rotations"], strict=True):
-        checkpoint.restore(worker, saved, sampler if worker.is_first else None)
+        # the same run (checked above); its configuration may have gained sections since
+        saved["config_hash"] = config_hash(worker.config)
+        try:
+            checkpoint.restore(worker, saved, sampler if worker.is_first else None)
+        except PayloadError as e:  # not the model's divergence: the file does not fit this run
+            raise ValueError(f"{path} cannot be restored: {e}") from None
         if rotation is not None:
             worker.schedule_rotation(SubspaceRotation(**rotation))
     pipe.version = state["version"]
