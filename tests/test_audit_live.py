@@ -67,7 +67,9 @@ def _hosts(reply, name: str) -> bool:
     return any(n.node_name == name and n.stages for n in reply.nodes)
 
 
-@pytest.mark.parametrize("mode", ["sign", pytest.param("stale", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+    "mode", ["sign", *(pytest.param(m, marks=pytest.mark.slow) for m in ("noise", "stale", "skip"))]
+)
 def test_a_lying_replica_is_evicted_and_the_run_ends_as_if_it_never_joined(tmp_path, mode):
     # rotations on: those published after the cut were computed from statistics the liar's values
     # fed; the rollback withdraws them and the rerun computes them again without it

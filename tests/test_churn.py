@@ -184,6 +184,7 @@ def test_a_killed_coordinator_restarted_on_its_state_file_resumes_the_run(tmp_pa
     assert final.epochs_restarted == 0  # a pause, not a failure: nothing was rolled back
 
 
+@pytest.mark.slow  # fencing itself: tests/test_coordinator.py
 def test_a_frozen_node_is_replaced_and_fenced_when_it_wakes(tmp_path, reference):
     with processes() as procs:
         address = coordinator(procs, tmp_path, churn_config(tmp_path), "--dead-after", DEAD_AFTER)
@@ -210,6 +211,7 @@ def test_a_frozen_node_is_replaced_and_fenced_when_it_wakes(tmp_path, reference)
     witness.report(final)
 
 
+@pytest.mark.slow  # the fallback itself: tests/test_coordinator.py
 def test_a_corrupted_latest_snapshot_falls_back_to_the_previous_cut(tmp_path, reference):
     """Snapshots uploaded to the coordinator (no keepers): its copy fails its hash check."""
     with processes() as procs:
@@ -309,6 +311,7 @@ def test_a_keeper_serving_corrupt_chunks_is_refused_reported_and_the_restore_com
     assert any(line.startswith(f"node {n0[:8]} served a bad chunk") for line in final.bad_holders)
 
 
+@pytest.mark.slow  # a signalled stop: tests/test_node.py, tests/test_swarm.py
 def test_sigterm_leaves_after_a_final_cut_and_the_replacement_loses_nothing(tmp_path, reference):
     with processes() as procs:
         address = coordinator(procs, tmp_path, churn_config(tmp_path), "--dead-after", DEAD_AFTER)

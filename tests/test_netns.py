@@ -190,6 +190,7 @@ def test_two_nodes_behind_nat_train_through_the_relay(tmp_path: Path):
     assert re.search(r"accepted stream from stage 0 through relay 10\.213\.0\.1:\d+", logs), logs
 
 
+@pytest.mark.slow  # the NAT and relay paths stay in the default suite
 @pytest.mark.skipif(not NAT_OK, reason=NAT_REASON)
 def test_two_nated_and_two_public_hosts_need_no_relay(tmp_path: Path):
     """4 stages on 2 hosts behind NAT and 2 public ones: placement puts a public node next to every
@@ -202,6 +203,7 @@ def test_two_nated_and_two_public_hosts_need_no_relay(tmp_path: Path):
     assert len(re.findall(r"dialled stage \d at 10\.213\.0\.[2-5]:\d+", logs)) == 3, logs
 
 
+@pytest.mark.slow  # the NAT and relay paths stay in the default suite
 @pytest.mark.skipif(not NAT_OK, reason=NAT_REASON)
 def test_a_partition_between_two_live_neighbours_is_placed_around(tmp_path: Path):
     """Mid-run, the hosts of the two stage nodes start dropping every packet between them; both
