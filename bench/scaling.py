@@ -257,7 +257,8 @@ def run(
             if d in plan.check_widths:
                 best = grid.tune(d, method, "mup", start=lr)  # until the local best is interior
                 local = grid.losses(d, method)
-                if not any(math.isnan(x) for x in local.values()):
+                around = [x * f for x in (lr, best) for f in (1 / LR_FACTOR, LR_FACTOR)]
+                if all(any(math.isclose(x, m) for m in local) for x in around):  # (cached only: all run)
                     check = {
                         "losses": {str(k): v for k, v in sorted(local.items())},
                         "best": best,
