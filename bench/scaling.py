@@ -5,8 +5,10 @@ bottleneck, with AdamW or Muon):
 
 1. **Tune once at the narrowest width.** Sweep the learning rate on a grid of factors of 2
    around ``lr_start`` until the best final validation loss is interior (its two neighbours
-   measured and worse). Under muP, and for the subspace model under the standard
-   parametrisation too (the dense model is the same under both at ``d = base_width``).
+   measured and worse). Two seeds end ~1% apart, so lrs within ``SEED_NOISE`` of the best are
+   ranked on the mean of two seeds: one seed cannot tell them apart. Under muP, and for the
+   subspace model under the standard parametrisation too (the dense model is the same under
+   both at ``d = base_width``).
 2. **Transfer.** At every wider width run the tuned lr under muP, and under the standard
    parametrisation at its own narrow-width lr as the control (what a user gets by carrying
    a tuned lr over without muP).
@@ -16,6 +18,8 @@ bottleneck, with AdamW or Muon):
 4. **More seeds** (``extra_seeds``): every method again at its best lr measured at that width
    under muP with other seeds (the same tokens, other inits and sample order); the table reports the
    mean over seeds and each seed's gap, since two seeds of one variant end ~1% apart here.
+5. **Probes** (``probes``): single runs at a width and lr outside the rule (say, where a narrower
+   check found the transfer off), reported beside the grid and marked as probes.
 
 Runs are cached one JSON per run under their configuration's hash (:func:`bench.quality.curve`),
 so the section resumes where it stopped and a second session extends the grid. Every run trains
@@ -41,6 +45,7 @@ from swarm.core.config import CodecConfig, ModelConfig, RunConfig, TrainConfig
 from swarm.io.data import TokenDataset, load_dataset
 
 LR_FACTOR = 2.0  # the spacing of the learning-rate grid
+SEED_NOISE = 0.02  # two seeds of one variant end ~1% apart: closer lrs need a second seed
 
 
 @dataclass(frozen=True)
@@ -71,7 +76,9 @@ class ScalingPlan:
     eval_batches: int = 8
     lr_start: float = 4e-3
     seed: int = 0  # the seed every lr is tuned and transferred at
+    tie_seed: int = 1  # the second seed of lrs within SEED_NOISE of the best while tuning
     extra_seeds: list[int] = field(default_factory=list)  # rerun at the chosen lrs with these seeds
+    probes: list[tuple[int, Method, float]] = field(default_factory=list)  # (d, method, lr) off the rule
     check_widths: list[int] = field(default_factory=list)  # widths with a local sweep around the transfer
     control: bool = True  # also run the standard parametrisation at the transferred lr
     optimizers: list[str] = field(default_factory=lambda: ["adamw"])
@@ -153,6 +160,8 @@ class Grid:
         self.plan, self.dataset, self.cache, self.progress = plan, dataset, cache, progress
         self.cached_only = cached_only  # report what was run; train nothing
         self.results: list[dict] = []
+        self.chosen: dict[tuple, float] = {}  # (d, method name, parametrisation) -> tuned lr
+        self.swept: dict[tuple, dict[float, float]] = {}  # the same key -> lr -> the tune's score
 
     def loss(
         self, d: int, method: Method, lr: float, parametrisation: str = "mup", seed: int | None = None
@@ -185,42 +194,45 @@ class Grid:
         self.results.append(entry)
         return entry["final"]
 
-    def losses(self, d: int, method: Method) -> dict[float, float]:
-        """lr -> final loss of the muP runs of ``method`` at width ``d`` on the plan's seed so far."""
-        return {
-            r["lr"]: r["final"]
-            for r in self.results
-            if (r["d"], r["method"], r["parametrisation"], r["seed"])
-            == (d, method.name, "mup", self.plan.seed)
-        }
-
-    def best_lr(self, d: int, method: Method, default: float) -> float:
-        """The lr of the best muP run of ``method`` at width ``d`` on the plan's seed so far."""
-        runs = [
-            r
-            for r in self.results
-            if (r["d"], r["method"], r["parametrisation"], r["seed"])
-            == (d, method.name, "mup", self.plan.seed)
-            and math.isfinite(r["final"])
-        ]
-        return min(runs, key=lambda r: r["final"])["lr"] if runs else default
-
     def tune(self, d: int, method: Method, parametrisation: str, start: float | None = None) -> float:
         """The best lr on the factor-2 grid around ``start`` (the plan's ``lr_start``), extended
-        until the best point has worse neighbours."""
+        until the best point has worse neighbours. Points within ``SEED_NOISE`` of the best are
+        decided on the mean of the plan's seed and ``tie_seed`` (one seed cannot rank them)."""
         start = self.plan.lr_start if start is None else start
         lrs = {start / LR_FACTOR, start, start * LR_FACTOR}
         while True:
-            losses = {lr: self.loss(d, method, lr, parametrisation) for lr in sorted(lrs)}
-            measured = {lr: x for lr, x in losses.items() if not math.isnan(x)}
-            if not measured:
+            scores = self.scores(d, method, parametrisation, sorted(lrs))
+            if not scores:
                 return start
-            best = min(measured, key=measured.get)
+            best = min(scores, key=scores.get)
             lower, upper = best / LR_FACTOR, best * LR_FACTOR
-            missing = {lr for lr in (lower, upper) if not any(math.isclose(lr, x) for x in losses)}
-            if not missing or (self.cached_only and len(losses) > len(measured)):
+            missing = {lr for lr in (lower, upper) if not any(math.isclose(lr, x) for x in lrs)}
+            if not missing or (self.cached_only and len(scores) < len(lrs)):
+                self.chosen[(d, method.name, parametrisation)] = best
+                self.swept[(d, method.name, parametrisation)] = scores
                 return best
             lrs |= missing
+
+    def scores(self, d: int, method: Method, parametrisation: str, lrs: list[float]) -> dict[float, float]:
+        """lr -> the plan seed's final loss, or the mean with ``tie_seed``'s where it is within
+        ``SEED_NOISE`` of the best; lrs not run (``cached_only``) are left out."""
+        first = {lr: self.loss(d, method, lr, parametrisation) for lr in lrs}
+        first = {lr: x for lr, x in first.items() if not math.isnan(x)}
+        if not first:
+            return {}
+        floor = min(first.values())
+        close = [lr for lr, x in first.items() if math.isfinite(x) and x <= floor * (1 + SEED_NOISE)]
+        if len(close) < 2:
+            return first
+        for lr in close:
+            second = self.loss(d, method, lr, parametrisation, self.plan.tie_seed)
+            if not math.isnan(second):
+                first[lr] = (first[lr] + second) / 2
+        return first
+
+    def best_lr(self, d: int, method: Method, default: float) -> float:
+        """The lr :meth:`tune` chose for ``method`` at width ``d`` under muP, else ``default``."""
+        return self.chosen.get((d, method.name, "mup"), default)
 
 
 def tuned_lr(tuned: dict[tuple, float], method: Method, parametrisation: str) -> float:
@@ -256,7 +268,7 @@ def run(
             check = None
             if d in plan.check_widths:
                 best = grid.tune(d, method, "mup", start=lr)  # until the local best is interior
-                local = grid.losses(d, method)
+                local = grid.swept.get((d, method.name, "mup"), {})
                 around = [x * f for x in (lr, best) for f in (1 / LR_FACTOR, LR_FACTOR)]
                 if all(any(math.isclose(x, m) for m in local) for x in around):  # (cached only: all run)
                     check = {
@@ -268,6 +280,9 @@ def run(
             if plan.control:
                 grid.loss(d, method, tuned_lr(tuned, method, "standard"), "standard")
             transfer.append({"d": d, "method": method.name, "lr": lr, "check": check})
+    for d, method, lr in plan.probes:
+        if not plan.max_width or d <= plan.max_width:
+            grid.loss(d, method, lr)
     for seed in plan.extra_seeds:
         for d in plan.run_widths:
             for method in plan.methods(d):
@@ -280,12 +295,19 @@ def run(
         ],
         "transfer": transfer,
         "runs": grid.results,
-        "table": table(grid.results, plan.steps, plan.seed),
+        "table": table(grid.results, plan.steps, plan.seed, grid.chosen, plan.probes),
     }
 
 
-def table(runs: list[dict], steps: int, base_seed: int = 0) -> list[dict]:
-    """Per width and parametrisation, each method at its best lr (chosen on the base seed's runs):
+def table(
+    runs: list[dict],
+    steps: int,
+    base_seed: int = 0,
+    chosen: dict | None = None,
+    probes: list[tuple[int, Method, float]] = (),
+) -> list[dict]:
+    """Per width and parametrisation, each method at its best lr (``chosen``'s where it was tuned
+    there, else the best of the base seed's runs, a probe's marked ``probe``):
     loss at equal steps (the mean over the seeds run at that lr), gap to dense over the seeds both
     ran (their summed losses), each seed's gap, and
     the steps the base seed's run needs to reach dense's final loss. Dense is the best dense run at
@@ -293,7 +315,13 @@ def table(runs: list[dict], steps: int, base_seed: int = 0) -> list[dict]:
     best: dict[tuple, dict] = {}
     for r in runs:
         key = (r["d"], r["parametrisation"], r["method"])
-        if r["seed"] == base_seed and (key not in best or r["final"] < best[key]["final"]):
+        if r["seed"] != base_seed:
+            continue
+        pick = (chosen or {}).get((r["d"], r["method"], r["parametrisation"]))
+        if pick is not None:
+            if math.isclose(r["lr"], pick):
+                best[key] = r
+        elif key not in best or r["final"] < best[key]["final"]:
             best[key] = r
     by_seed: dict[tuple, dict[int, float]] = {}
     for r in runs:
@@ -319,6 +347,9 @@ def table(runs: list[dict], steps: int, base_seed: int = 0) -> list[dict]:
             "kind": r["kind"],
             "rank": r["rank"],
             "lr": r["lr"],
+            "probe": any(
+                (pd, m.name, "mup") == (d, name, par) and math.isclose(lr, r["lr"]) for pd, m, lr in probes
+            ),
             "loss": mean(r),
             "seeds": len(seeds(r)) or 1,
             "compression": r["compression"],
@@ -432,6 +463,12 @@ def quick_plan() -> ScalingPlan:
     )
 
 
+def parse_probe(text: str) -> tuple[int, Method, float]:
+    """``d:kind:rank:lr`` (the optimizer is AdamW) as a plan's probe."""
+    d, kind, rank, lr = text.split(":")
+    return int(d), Method(kind, int(rank)), float(lr)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -457,6 +494,9 @@ def main() -> None:
         "--extra-seeds", default="", help="comma-separated seeds to rerun every method at its chosen lr"
     )
     parser.add_argument(
+        "--probes", default="", help="d:kind:rank:lr,... runs off the rule, e.g. 1024:subspace:16:0.001"
+    )
+    parser.add_argument(
         "--contenders", default="", help="kind:optimizer,... e.g. bottleneck:adamw,dense:muon"
     )
     args = parser.parse_args()
@@ -474,6 +514,8 @@ def main() -> None:
         plan.ranks = [int(k) for k in args.ranks.split(",")]
     if args.extra_seeds:
         plan.extra_seeds = [int(s) for s in args.extra_seeds.split(",")]
+    if args.probes:
+        plan.probes = [parse_probe(p) for p in args.probes.split(",")]
     if args.contenders:
         plan.contenders = [tuple(c.split(":")) for c in args.contenders.split(",")]
     out = Path(args.out)

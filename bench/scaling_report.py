@@ -49,8 +49,9 @@ def section(r: dict) -> list[str]:
         "",
         f"{s['plan']['steps']} steps of batch {s['plan']['batch_size']} x {s['plan']['seq_len']}, "
         f"{s['plan']['n_layers']} layers in {s['plan']['n_stages']} stages, heads of 64, d_ff ~2.69 d; "
-        f"learning rates tuned at d = {s['plan']['widths'][0]} on a factor-2 grid (best point interior), "
-        "then transferred. Gap: final validation loss over the best dense run's at that width "
+        f"learning rates tuned at d = {s['plan']['widths'][0]} on a factor-2 grid (best point interior; "
+        "lrs within 2% of the best ranked on the mean of two seeds), then transferred. Gap: final "
+        "validation loss over the best dense run's at that width "
         "(either parametrisation), each at its own best lr. Two runs differing only in seed end ~1% "
         "apart, so a gap under ~2 points decides nothing on one seed: where a point was rerun with "
         "more seeds at the same lr, the gap is that of the mean losses, each seed's gap in brackets.",
@@ -74,12 +75,14 @@ def section(r: dict) -> list[str]:
         out.append(f"| {kind} k={k} | " + " | ".join(cells) + " |")
     out += [
         "",
-        "Each method at its best lr measured at that width (the transferred one or a neighbour):",
+        "Each method at its best lr measured at that width (the transferred one, the best of a local "
+        "sweep, or a probe: a single run off the rule, its lr marked *):",
         "",
         "| d | parametrisation | method | lr | seeds | loss (mean) | gap | steps to dense's loss |",
         "|---|---|---|---|---|---|---|---|",
         *(
-            f"| {row['d']} | {row['parametrisation']} | {row['method']} | {row['lr']:.3g} | "
+            f"| {row['d']} | {row['parametrisation']} | {row['method']} | "
+            f"{row['lr']:.3g}{'*' if row.get('probe') else ''} | "
             f"{row.get('seeds', 1)} | {row['loss']:.3f} | {_pct(row.get('gap'))} | "
             f"{_times(row.get('steps_to_dense'))} |"
             for row in s["table"]
@@ -89,7 +92,8 @@ def section(r: dict) -> list[str]:
         "transferred lr, extended until its best point is interior; goal: the transferred lr within "
         "one grid point of the local best):",
         "",
-        "| d | method | transferred lr | local losses (lr: loss) | local best | holds | within one |",
+        "| d | method | transferred lr | local losses (lr: loss; two seeds' mean within 2% of the best) "
+        "| local best | holds | within one |",
         "|---|---|---|---|---|---|---|",
         *(
             f"| {t['d']} | {t['method']} | {t['lr']:.3g} | "

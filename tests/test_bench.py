@@ -161,12 +161,21 @@ def _scaling(results: dict, report: str) -> None:
         ("mup", "subspace"),
     }
     for t in grid["tuned"]:  # the sweep ends with the best lr between two worse measured ones
-        losses = {
-            r["lr"]: r["final"]
+        runs = [
+            r
             for r in grid["runs"]
             if r["d"] == 32 and r["kind"] == t["kind"] and r["parametrisation"] == t["parametrisation"]
+        ]
+        first = {r["lr"]: r["final"] for r in runs if r["seed"] == 0}
+        # within 2% of the best, an lr is ranked on the mean of two seeds
+        close = {lr for lr, x in first.items() if x <= min(first.values()) * 1.02}
+        score = {
+            lr: sum(r["final"] for r in runs if r["lr"] == lr) / sum(1 for r in runs if r["lr"] == lr)
+            if lr in close and len(close) > 1
+            else x
+            for lr, x in first.items()
         }
-        assert losses[t["lr"]] == min(losses.values()) and len(losses) >= 3
+        assert score[t["lr"]] == min(score.values()) and {t["lr"] / 2, t["lr"] * 2} <= set(score)
     assert {(r["d"], r["method"]) for r in grid["table"]} == {
         (d, m) for d in (32, 64) for m in ("dense", "subspace k=4")
     }
