@@ -196,33 +196,37 @@ class Grid:
 
     def tune(self, d: int, method: Method, parametrisation: str, start: float | None = None) -> float:
         """The best lr on the factor-2 grid around ``start`` (the plan's ``lr_start``), extended
-        until the best point has worse neighbours. Points within ``SEED_NOISE`` of the best are
-        decided on the mean of the plan's seed and ``tie_seed`` (one seed cannot rank them)."""
+        until the best point has worse neighbours: first on the plan's seed, then with the points
+        within ``SEED_NOISE`` of the best ranked on its mean with ``tie_seed`` (one seed cannot)."""
         start = self.plan.lr_start if start is None else start
         lrs = {start / LR_FACTOR, start, start * LR_FACTOR}
-        while True:
-            scores = self.scores(d, method, parametrisation, sorted(lrs))
-            if not scores:
-                return start
-            best = min(scores, key=scores.get)
-            lower, upper = best / LR_FACTOR, best * LR_FACTOR
-            missing = {lr for lr in (lower, upper) if not any(math.isclose(lr, x) for x in lrs)}
-            if not missing or (self.cached_only and len(scores) < len(lrs)):
-                self.chosen[(d, method.name, parametrisation)] = best
-                self.swept[(d, method.name, parametrisation)] = scores
-                return best
-            lrs |= missing
+        for tie in (False, True):
+            while True:
+                scores = self.scores(d, method, parametrisation, sorted(lrs), tie)
+                if not scores:
+                    return start
+                best = min(scores, key=scores.get)
+                lower, upper = best / LR_FACTOR, best * LR_FACTOR
+                missing = {lr for lr in (lower, upper) if not any(math.isclose(lr, x) for x in lrs)}
+                if not missing or (self.cached_only and len(scores) < len(lrs)):
+                    break
+                lrs |= missing
+        self.chosen[(d, method.name, parametrisation)] = best
+        self.swept[(d, method.name, parametrisation)] = scores
+        return best
 
-    def scores(self, d: int, method: Method, parametrisation: str, lrs: list[float]) -> dict[float, float]:
-        """lr -> the plan seed's final loss, or the mean with ``tie_seed``'s where it is within
-        ``SEED_NOISE`` of the best; lrs not run (``cached_only``) are left out."""
+    def scores(
+        self, d: int, method: Method, parametrisation: str, lrs: list[float], tie: bool = True
+    ) -> dict[float, float]:
+        """lr -> the plan seed's final loss, or (``tie``) the mean with ``tie_seed``'s where it is
+        within ``SEED_NOISE`` of the best; lrs not run (``cached_only``) are left out."""
         first = {lr: self.loss(d, method, lr, parametrisation) for lr in lrs}
         first = {lr: x for lr, x in first.items() if not math.isnan(x)}
         if not first:
             return {}
         floor = min(first.values())
         close = [lr for lr, x in first.items() if math.isfinite(x) and x <= floor * (1 + SEED_NOISE)]
-        if len(close) < 2:
+        if not tie or len(close) < 2:
             return first
         for lr in close:
             second = self.loss(d, method, lr, parametrisation, self.plan.tie_seed)

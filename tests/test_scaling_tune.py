@@ -47,6 +47,14 @@ def test_lrs_within_seed_noise_are_ranked_on_two_seeds() -> None:
     assert math.isclose(grid.swept[(32, "dense", "mup")][2e-3], (5.02 + 4.95) / 2)
 
 
+def test_second_seeds_wait_until_the_sweep_is_interior_on_one() -> None:
+    # 2e-3 and 4e-3 are 1% apart, but 1e-3 is clearly better: no tie is ever run
+    surface = {(5e-4, 0): 5.2, (1e-3, 0): 4.8, (2e-3, 0): 5.0, (4e-3, 0): 5.05, (8e-3, 0): 5.5}
+    grid = SurfaceGrid(surface)
+    assert grid.tune(32, DENSE, "mup") == 1e-3
+    assert all(seed == 0 for _, seed in grid.calls)
+
+
 def test_cached_only_stops_at_the_first_missing_run() -> None:
     grid = SurfaceGrid({(2e-3, 0): 5.2, (4e-3, 0): 5.3}, cached_only=True)
     assert grid.tune(32, DENSE, "mup") == 2e-3  # 1e-3 never ran: report what there is
