@@ -14,7 +14,8 @@ bottleneck, with AdamW or Muon):
    a tuned lr over without muP).
 3. **Check the transfer** (``check_widths``): a local sweep one grid point each way at the
    wider width, extended like the tuning until its best point is interior; the transfer holds if
-   the tuned lr is that best, and meets the goal if it is within one grid point of it.
+   the tuned lr is that best, and meets the goal if it is within one grid point of it; it is
+   *tied* if its loss is within ``TIED`` of the best's (a flat optimum the seeds cannot rank).
 4. **More seeds** (``extra_seeds``): every method again at its best lr measured at that width
    under muP with other seeds (the same tokens, other inits and sample order); the table reports the
    mean over seeds and each seed's gap, since two seeds of one variant end ~1% apart here.
@@ -46,6 +47,7 @@ from swarm.io.data import TokenDataset, load_dataset
 
 LR_FACTOR = 2.0  # the spacing of the learning-rate grid
 SEED_NOISE = 0.02  # two seeds of one variant end ~1% apart: closer lrs need a second seed
+TIED = 0.01  # lrs whose scores differ by less than this are level within the seed noise
 
 
 @dataclass(frozen=True)
@@ -247,6 +249,22 @@ def tuned_lr(tuned: dict[tuple, float], method: Method, parametrisation: str) ->
     return tuned[min(same, key=lambda k: abs(math.log(max(k[2], 1) / max(method.rank, 1))))]
 
 
+def transfer_check(lr: float, best: float, local: dict[float, float]) -> dict | None:
+    """The check of a transferred ``lr`` against a local sweep's ``best`` (``local``: lr -> score);
+    None until the neighbours of both were run (a cached-only report of a partial sweep)."""
+    around = [x * f for x in (lr, best) for f in (1 / LR_FACTOR, LR_FACTOR)]
+    if not all(any(math.isclose(x, m) for m in local) for x in around):
+        return None
+    transferred = min(v for k, v in local.items() if math.isclose(k, lr))
+    return {
+        "losses": {str(k): v for k, v in sorted(local.items())},
+        "best": best,
+        "holds": math.isclose(best, lr),
+        "within_one": any(math.isclose(best, lr * f) for f in (1 / LR_FACTOR, 1, LR_FACTOR)),
+        "tied": transferred <= local[best] * (1 + TIED),
+    }
+
+
 def run(
     plan: ScalingPlan,
     dataset: TokenDataset,
@@ -272,15 +290,7 @@ def run(
             check = None
             if d in plan.check_widths:
                 best = grid.tune(d, method, "mup", start=lr)  # until the local best is interior
-                local = grid.swept.get((d, method.name, "mup"), {})
-                around = [x * f for x in (lr, best) for f in (1 / LR_FACTOR, LR_FACTOR)]
-                if all(any(math.isclose(x, m) for m in local) for x in around):  # (cached only: all run)
-                    check = {
-                        "losses": {str(k): v for k, v in sorted(local.items())},
-                        "best": best,
-                        "holds": math.isclose(best, lr),
-                        "within_one": any(math.isclose(best, lr * f) for f in (1 / LR_FACTOR, 1, LR_FACTOR)),
-                    }
+                check = transfer_check(lr, best, grid.swept.get((d, method.name, "mup"), {}))
             if plan.control:
                 grid.loss(d, method, tuned_lr(tuned, method, "standard"), "standard")
             transfer.append({"d": d, "method": method.name, "lr": lr, "check": check})

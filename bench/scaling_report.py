@@ -90,16 +90,17 @@ def section(r: dict) -> list[str]:
         "",
         "Transfer checks (a local sweep at a wider width from one grid point each way of the "
         "transferred lr, extended until its best point is interior; goal: the transferred lr within "
-        "one grid point of the local best):",
+        "one grid point of the local best; tied: its loss within 1% of the best's, level within "
+        "the seed noise):",
         "",
         "| d | method | transferred lr | local losses (lr: loss; two seeds' mean within 2% of the best) "
-        "| local best | holds | within one |",
-        "|---|---|---|---|---|---|---|",
+        "| local best | holds | within one | tied |",
+        "|---|---|---|---|---|---|---|---|",
         *(
             f"| {t['d']} | {t['method']} | {t['lr']:.3g} | "
             f"{', '.join(f'{float(k):.3g}: {v:.3f}' for k, v in t['check']['losses'].items())} | "
             f"{t['check'].get('best', float('nan')):.3g} | {t['check']['holds']} | "
-            f"{t['check'].get('within_one', '-')} |"
+            f"{t['check'].get('within_one', '-')} | {t['check'].get('tied', '-')} |"
             for t in s["transfer"]
             if t["check"]
         ),
