@@ -448,7 +448,16 @@ def full(
         result["coordinate"] = {"widths": widths, **coordinate(plan, dataset)}
         cache.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(result["coordinate"]))
-    result["law"] = law_summary([r for r in result["runs"] if r["seed"] == plan.seed], plan.steps)
+    # the law fits the table's runs: each point at the lr its rule chose, not a sweep's luckiest seed
+    chosen = {(row["d"], row["parametrisation"], row["method"], row["lr"]) for row in result["table"]}
+    result["law"] = law_summary(
+        [
+            r
+            for r in result["runs"]
+            if r["seed"] == plan.seed and (r["d"], r["parametrisation"], r["method"], r["lr"]) in chosen
+        ],
+        plan.steps,
+    )
     return result
 
 
