@@ -64,6 +64,9 @@ class Method:
         return core if self.optimizer == "adamw" else f"{core} + {self.optimizer}"
 
 
+Probe = tuple[int, Method, float, str]  # (d, method, lr, parametrisation): a single run off the rule
+
+
 @dataclass
 class ScalingPlan:
     widths: list[int]  # the first is the width the learning rates are tuned at
@@ -80,7 +83,7 @@ class ScalingPlan:
     seed: int = 0  # the seed every lr is tuned and transferred at
     tie_seed: int = 1  # the second seed of lrs within SEED_NOISE of the best while tuning
     extra_seeds: list[int] = field(default_factory=list)  # rerun at the chosen lrs with these seeds
-    probes: list[tuple[int, Method, float]] = field(default_factory=list)  # (d, method, lr) off the rule
+    probes: list[Probe] = field(default_factory=list)  # single runs off the rule
     check_widths: list[int] = field(default_factory=list)  # widths with a local sweep around the transfer
     control: bool = True  # also run the standard parametrisation at the transferred lr
     optimizers: list[str] = field(default_factory=lambda: ["adamw"])
@@ -294,9 +297,9 @@ def run(
             if plan.control:
                 grid.loss(d, method, tuned_lr(tuned, method, "standard"), "standard")
             transfer.append({"d": d, "method": method.name, "lr": lr, "check": check})
-    for d, method, lr in plan.probes:
+    for d, method, lr, parametrisation in plan.probes:
         if not plan.max_width or d <= plan.max_width:
-            grid.loss(d, method, lr)
+            grid.loss(d, method, lr, parametrisation)
     for seed in plan.extra_seeds:
         for d in plan.run_widths:
             for method in plan.methods(d):
@@ -318,24 +321,30 @@ def table(
     steps: int,
     base_seed: int = 0,
     chosen: dict | None = None,
-    probes: list[tuple[int, Method, float]] = (),
+    probes: list[Probe] = (),
 ) -> list[dict]:
-    """Per width and parametrisation, each method at its best lr (``chosen``'s where it was tuned
-    there, else the best of the base seed's runs, a probe's marked ``probe``):
-    loss at equal steps (the mean over the seeds run at that lr), gap to dense over the seeds both
-    ran (their summed losses), each seed's gap, and
-    the steps the base seed's run needs to reach dense's final loss. Dense is the best dense run at
-    that width under either parametrisation (each side at its own best hyperparameters)."""
+    """Per width and parametrisation, each method at its best lr on the rule (``chosen``'s where it
+    was tuned there, else the best of the base seed's runs that are not probes), then each probe on
+    a row of its own marked ``probe``: loss at equal steps (the mean over the seeds run at that lr),
+    gap to dense over the seeds both ran (their summed losses), each seed's gap, and the steps the
+    base seed's run needs to reach dense's final loss. Dense is the best dense run at that width
+    under either parametrisation (each side at its own best hyperparameters)."""
+
+    def is_probe(r: dict) -> bool:
+        point = (r["d"], r["method"], r["parametrisation"])
+        return any((pd, m.name, par) == point and math.isclose(lr, r["lr"]) for pd, m, lr, par in probes)
+
     best: dict[tuple, dict] = {}
     for r in runs:
-        key = (r["d"], r["parametrisation"], r["method"])
         if r["seed"] != base_seed:
             continue
+        key = (r["d"], r["parametrisation"], r["method"])
         pick = (chosen or {}).get((r["d"], r["method"], r["parametrisation"]))
-        if pick is not None:
-            if math.isclose(r["lr"], pick):
-                best[key] = r
-        elif key not in best or r["final"] < best[key]["final"]:
+        if pick is not None and math.isclose(r["lr"], pick):
+            best[key] = r
+        elif is_probe(r):
+            best[(*key, r["lr"])] = r
+        elif pick is None and (key not in best or r["final"] < best[key]["final"]):
             best[key] = r
     by_seed: dict[tuple, dict[int, float]] = {}
     for r in runs:
@@ -351,9 +360,15 @@ def table(
         return sum(finals.values()) / len(finals) if finals else r["final"]
 
     rows = []
-    for (d, par, name), r in sorted(best.items(), key=lambda item: (item[0][0], item[0][1], item[1]["rank"])):
-        denses = [x for (dd, _, _), x in best.items() if dd == d and x["kind"] == "dense"]
-        dense = min(denses, key=mean, default=None)  # the best dense, any optimizer
+
+    def order(item: tuple[tuple, dict]) -> tuple:
+        key, r = item
+        return key[0], len(key), key[1], r["rank"], r["lr"]  # per width: the rule's rows, then probes
+
+    for key, r in sorted(best.items(), key=order):
+        d, par, name = key[:3]
+        denses = [x for k, x in best.items() if k[0] == d and len(k) == 3 and x["kind"] == "dense"]
+        dense = min(denses, key=mean, default=None)  # the best dense on the rule, any optimizer
         row = {
             "d": d,
             "parametrisation": par,
@@ -361,9 +376,7 @@ def table(
             "kind": r["kind"],
             "rank": r["rank"],
             "lr": r["lr"],
-            "probe": any(
-                (pd, m.name, "mup") == (d, name, par) and math.isclose(lr, r["lr"]) for pd, m, lr in probes
-            ),
+            "probe": len(key) > 3,
             "loss": mean(r),
             "seeds": len(seeds(r)) or 1,
             "compression": r["compression"],
@@ -448,8 +461,13 @@ def full(
         result["coordinate"] = {"widths": widths, **coordinate(plan, dataset)}
         cache.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(result["coordinate"]))
-    # the law fits the table's runs: each point at the lr its rule chose, not a sweep's luckiest seed
-    chosen = {(row["d"], row["parametrisation"], row["method"], row["lr"]) for row in result["table"]}
+    # the law fits the table's runs on the rule: each point at the lr its rule chose, not a sweep's
+    # luckiest seed nor a probe
+    chosen = {
+        (row["d"], row["parametrisation"], row["method"], row["lr"])
+        for row in result["table"]
+        if not row["probe"]
+    }
     result["law"] = law_summary(
         [
             r
@@ -486,10 +504,10 @@ def quick_plan() -> ScalingPlan:
     )
 
 
-def parse_probe(text: str) -> tuple[int, Method, float]:
-    """``d:kind:rank:lr`` (the optimizer is AdamW) as a plan's probe."""
-    d, kind, rank, lr = text.split(":")
-    return int(d), Method(kind, int(rank)), float(lr)
+def parse_probe(text: str) -> Probe:
+    """``d:kind:rank:lr[:parametrisation]`` (AdamW; muP unless named) as a plan's probe."""
+    d, kind, rank, lr, *parametrisation = text.split(":")
+    return int(d), Method(kind, int(rank)), float(lr), parametrisation[0] if parametrisation else "mup"
 
 
 def main() -> None:
@@ -517,7 +535,9 @@ def main() -> None:
         "--extra-seeds", default="", help="comma-separated seeds to rerun every method at its chosen lr"
     )
     parser.add_argument(
-        "--probes", default="", help="d:kind:rank:lr,... runs off the rule, e.g. 1024:subspace:16:0.001"
+        "--probes",
+        default="",
+        help="d:kind:rank:lr[:parametrisation],... runs off the rule, e.g. 1024:subspace:16:0.001",
     )
     parser.add_argument(
         "--contenders", default="", help="kind:optimizer,... e.g. bottleneck:adamw,dense:muon"

@@ -12,11 +12,12 @@ import matplotlib.pyplot as plt
 
 
 def best_gaps(table: list[dict]) -> dict[tuple[str, int, int], dict]:
-    """(kind, k, d) -> the table row of the lowest loss at that point under either parametrisation."""
+    """(kind, k, d) -> the table row of the lowest loss at that point under any parametrisation run
+    on the rule (probes are not)."""
     best: dict[tuple[str, int, int], dict] = {}
     for row in table:
         key = (row["kind"], row["rank"], row["d"])
-        if "gap" in row and (key not in best or row["loss"] < best[key]["loss"]):
+        if "gap" in row and not row.get("probe") and (key not in best or row["loss"] < best[key]["loss"]):
             best[key] = row
     return best
 
@@ -65,7 +66,8 @@ def section(r: dict) -> list[str]:
             for t in s["tuned"]
         ),
         "",
-        "Gap to dense (best of muP and standard at each point; `-`: not run):",
+        "Gap to dense (the best parametrisation run on the rule at each point, probes not counted; "
+        "`-`: not run):",
         "",
         "| method | " + " | ".join(f"d={d}" for d in widths) + " |",
         "|---|" + "---|" * len(widths),

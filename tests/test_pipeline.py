@@ -45,7 +45,7 @@ def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max(((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)).item() for n in a)
 
 
-@pytest.mark.parametrize("parametrisation", ["standard", "mup"])
+@pytest.mark.parametrize("parametrisation", ["standard", "mup", "mup-anchored"])
 @pytest.mark.parametrize(
     ("dtype", "fmt", "tolerance"), [(torch.float32, "fp32", 1e-5), (torch.float64, "fp64", 1e-10)]
 )

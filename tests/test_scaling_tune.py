@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 from bench.scaling import Grid, Method, ScalingPlan, parse_probe, table, transfer_check
+from bench.scaling_report import best_gaps
 
 
 class SurfaceGrid(Grid):
@@ -61,28 +62,37 @@ def test_cached_only_stops_at_the_first_missing_run() -> None:
     assert grid.best_lr(32, DENSE, 1.0) == 2e-3
 
 
-def _run(d: int, method: Method, lr: float, final: float, seed: int = 0) -> dict:
+def _run(d: int, method: Method, lr: float, final: float, seed: int = 0, par: str = "mup") -> dict:
     curve = [[1, final + 1.0], [2, final]]
     point = {"d": d, "method": method.name, "kind": method.kind, "rank": method.rank, "lr": lr}
-    return point | {"parametrisation": "mup", "seed": seed, "final": final, "curve": curve, "compression": 1}
+    return point | {"parametrisation": par, "seed": seed, "final": final, "curve": curve, "compression": 1}
 
 
-def test_the_table_takes_the_tuned_lr_and_marks_probes() -> None:
+def test_the_table_takes_the_tuned_lr_and_lists_probes_beside_the_rule() -> None:
     sub = Method("subspace", 8)
     runs = [
         _run(64, DENSE, 4e-3, 5.0),
         _run(64, DENSE, 2e-3, 4.99),  # better on one seed, but the tune chose 4e-3 on two
         _run(64, sub, 4e-3, 5.3),  # the transferred lr
         _run(64, sub, 1e-3, 5.1),  # a probe two grid points off
+        _run(64, sub, 2e-3, 5.05, par="mup-anchored"),  # a probe of another parametrisation
     ]
-    rows = {r["method"]: r for r in table(runs, 2, 0, {(64, "dense", "mup"): 4e-3}, [(64, sub, 1e-3)])}
-    assert rows["dense"]["lr"] == 4e-3 and not rows["dense"]["probe"]
-    assert rows["subspace k=8"]["lr"] == 1e-3 and rows["subspace k=8"]["probe"]
-    assert math.isclose(rows["subspace k=8"]["gap"], 5.1 / 5.0 - 1)
+    probes = [(64, sub, 1e-3, "mup"), (64, sub, 2e-3, "mup-anchored")]
+    rows = table(runs, 2, 0, {(64, "dense", "mup"): 4e-3}, probes)
+    assert [(r["method"], r["parametrisation"], r["lr"], r["probe"]) for r in rows] == [
+        ("dense", "mup", 4e-3, False),
+        ("subspace k=8", "mup", 4e-3, False),  # the rule's row keeps the transferred lr
+        ("subspace k=8", "mup", 1e-3, True),
+        ("subspace k=8", "mup-anchored", 2e-3, True),
+    ]
+    assert math.isclose(rows[2]["gap"], 5.1 / 5.0 - 1)
+    best = best_gaps(rows)  # the heatmap: the rule's runs only
+    assert math.isclose(best[("subspace", 8, 64)]["gap"], 5.3 / 5.0 - 1)
 
 
 def test_a_probe_is_read_from_the_command_line() -> None:
-    assert parse_probe("1024:subspace:16:0.001") == (1024, Method("subspace", 16), 0.001)
+    assert parse_probe("1024:subspace:16:0.001") == (1024, Method("subspace", 16), 0.001, "mup")
+    assert parse_probe("256:subspace:8:0.002:mup-anchored")[3] == "mup-anchored"
 
 
 def test_a_transfer_check_on_a_flat_optimum_is_tied_but_not_within_one() -> None:

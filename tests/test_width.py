@@ -39,6 +39,21 @@ def test_mup_learning_rates_follow_the_rules():
         assert lrs[name] == pytest.approx(lr, rel=1e-12), name
 
 
+def test_mup_anchored_scales_constrained_writes_by_the_width_not_the_rank():
+    """d=32, base 16, k=8: ``s = sqrt(d/base) = sqrt(2)`` for W' and C (``mup``: 2), the rest as muP."""
+    lrs = _base_lrs(LocalPipeline(tiny_config(n_stages=1, parametrisation="mup-anchored")))
+    expected = {
+        "layers.0.attn.qkv.weight": LR / 2,
+        "layers.0.attn.out.weight": LR / math.sqrt(2),
+        "layers.3.mlp.down.weight": LR / math.sqrt(2),
+        "head.weight": LR / 2,
+        "embed.low": math.sqrt(2) * LR,
+        "norm.weight": LR,
+    }
+    for name, lr in expected.items():
+        assert lrs[name] == pytest.approx(lr, rel=1e-12), name
+
+
 def test_mup_dense_writes_take_the_hidden_rule():
     lrs = _base_lrs(LocalPipeline(tiny_config(n_stages=1, constrain=False, parametrisation="mup")))
     assert lrs["layers.0.attn.out.weight"] == pytest.approx(LR / 2)
@@ -63,9 +78,15 @@ def test_mup_init_scales_the_standard_draws():
     torch.testing.assert_close(fixed_mup, fixed_std * math.sqrt(2), rtol=1e-6, atol=0)
 
 
-def test_mup_at_its_base_width_is_the_standard_dense_model_bit_for_bit():
-    config = tiny_config(n_stages=2, kind="identity", constrain=False)
-    model = dataclasses.replace(config.model, parametrisation="mup", base_width=config.model.d_model)
+@pytest.mark.parametrize(
+    ("parametrisation", "constrain"), [("mup", False), ("mup-anchored", False), ("mup-anchored", True)]
+)
+def test_mup_at_its_base_width_is_the_standard_model_bit_for_bit(parametrisation, constrain):
+    """Dense under either muP, and the constrained model under ``mup-anchored`` (``mup``'s rank
+    factor ``sqrt(base/k)`` makes its constrained model another one there)."""
+    config = tiny_config(n_stages=2, kind="subspace" if constrain else "identity", constrain=constrain)
+    base = config.model.d_model
+    model = dataclasses.replace(config.model, parametrisation=parametrisation, base_width=base)
     at_base = dataclasses.replace(config, model=model)
     pipes = LocalPipeline(config), LocalPipeline(at_base)
     for step in range(3):

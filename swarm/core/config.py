@@ -17,7 +17,7 @@ from typing import Any, Literal
 from swarm.core.profiles import load_profile
 
 Compression = Literal["none", "subspace", "mapl"]
-PARAMETRISATIONS = ("standard", "mup")
+PARAMETRISATIONS = ("standard", "mup", "mup-anchored")
 
 
 @dataclass
@@ -46,7 +46,8 @@ class ModelConfig:
     constrain_writes: bool = True
     full_rank_layers: int = 0
     # How init scales and learning rates follow the width (swarm.core.width): "standard", or
-    # "mup", whose hyperparameters tuned at d_model = base_width carry over to other widths.
+    # "mup", whose hyperparameters tuned at d_model = base_width carry over to other widths, or
+    # "mup-anchored": muP that is the standard model at base_width for constrained models too.
     parametrisation: str = "standard"
     base_width: int = 128
     # A residual bottleneck (ResBM-like) at each stage boundary: the stream leaving a stage is

@@ -1,6 +1,6 @@
 """How initial scales and learning rates follow the model's width: the parametrisation.
 
-Two parametrisations, the same dense model at ``d_model == base_width`` (a constrained one differs
+Three parametrisations, the same dense model at ``d_model == base_width`` (a constrained one differs
 there only by the rank factor ``s`` below):
 
 * ``standard``: every matrix starts at ``init_std`` (residual writes ``init_std / sqrt(2L)``),
@@ -28,6 +28,12 @@ there only by the rank factor ``s`` below):
   not fade against the writes as ``d`` grows). Fan-ins (``d`` and ``d_ff``) grow with ``d``,
   so one ``m`` serves both. The head count grows with ``d`` at a fixed head size, so the
   attention scale needs no change.
+* ``mup-anchored``: muP with ``s = sqrt(d / base_width)``, i.e. ``sqrt(d/k)`` divided by its value
+  ``sqrt(base_width/k)`` at the base width. At ``d_model == base_width`` it is the standard model
+  for every rank (the base model is the one tuned there, as muP prescribes); away from it, at a
+  fixed rank, every scale moves with ``d`` exactly as under ``mup``. ``mup``'s factor also
+  multiplies a constrained model's write and embedding lr by ``sqrt(base_width/k)`` over the
+  hidden matrices' at the base width (4x at d=128, k=8), a ratio no global lr can tune away.
 
 Scales only: the subspace property, exact gradients and rotations do not depend on them.
 """
@@ -48,14 +54,24 @@ class Scale:
     lr: float
 
 
+def is_mup(model: ModelConfig) -> bool:
+    """Whether the model follows one of the muP rules (``mup`` or ``mup-anchored``)."""
+    return model.parametrisation != "standard"
+
+
 def width_multiplier(model: ModelConfig) -> float:
     """``m = d_model / base_width`` under muP; 1 under the standard parametrisation."""
-    return model.d_model / model.base_width if model.parametrisation == "mup" else 1.0
+    return model.d_model / model.base_width if is_mup(model) else 1.0
 
 
 def subspace_factor(model: ModelConfig, rank: int) -> float:
-    """``sqrt(d/k)`` for a constrained write or embedding of rank ``k`` under muP, else 1."""
-    return math.sqrt(model.d_model / rank) if model.parametrisation == "mup" and rank else 1.0
+    """For a constrained write or embedding of rank ``k``: ``sqrt(d/k)`` under ``mup``,
+    ``sqrt(d/base_width)`` under ``mup-anchored``; 1 under the standard parametrisation or
+    for a dense one (``rank`` 0)."""
+    if not rank or not is_mup(model):
+        return 1.0
+    anchor = model.base_width if model.parametrisation == "mup-anchored" else rank
+    return math.sqrt(model.d_model / anchor)
 
 
 def parameter_scale(model: ModelConfig, kind: str, rank: int = 0) -> Scale:
@@ -77,4 +93,4 @@ def parameter_scale(model: ModelConfig, kind: str, rank: int = 0) -> Scale:
 def fixed_embedding_width(model: ModelConfig) -> int:
     """The frozen embedding's entries have std ``1/sqrt(this)``: ``base_width`` under muP (a constant
     per-coordinate scale), ``d_model`` under the standard parametrisation (rows of unit norm)."""
-    return model.base_width if model.parametrisation == "mup" else model.d_model
+    return model.base_width if is_mup(model) else model.d_model
