@@ -8,8 +8,9 @@ bottleneck, with AdamW or Muon):
    measured and worse). Two seeds end ~1% apart, so lrs within ``SEED_NOISE`` of the best are
    ranked on the mean of two seeds: one seed cannot tell them apart. Under muP, and for the
    subspace model under the standard parametrisation too (the dense model is the same under
-   both at ``d = base_width``).
-2. **Transfer.** At every wider width run the tuned lr under muP, and under the standard
+   both at ``d = base_width``, and so is the subspace model under ``mup-anchored`` and standard).
+2. **Transfer.** At every wider width run the tuned lr under muP (and, with ``anchored``, the
+   subspace model under ``mup-anchored``, checked like muP), and under the standard
    parametrisation at its own narrow-width lr as the control (what a user gets by carrying
    a tuned lr over without muP).
 3. **Check the transfer** (``check_widths``): a local sweep one grid point each way at the
@@ -86,6 +87,7 @@ class ScalingPlan:
     probes: list[Probe] = field(default_factory=list)  # single runs off the rule
     check_widths: list[int] = field(default_factory=list)  # widths with a local sweep around the transfer
     control: bool = True  # also run the standard parametrisation at the transferred lr
+    anchored: bool = False  # also tune, transfer and check the subspace model under mup-anchored
     optimizers: list[str] = field(default_factory=lambda: ["adamw"])
     contenders: list[tuple[str, str]] = field(default_factory=list)  # (kind, optimizer) beside the grid
     max_width: int = 0  # 0: every width; else skip wider ones (the budget of a session)
@@ -151,6 +153,16 @@ def run_variant(
     return Variant(name, model, codec), quality_plan
 
 
+def stored_parametrisation(plan: ScalingPlan, d: int, method: Method, parametrisation: str) -> str:
+    """The parametrisation a run is trained and cached under: at the base width, one of those that
+    build the same model there (bit for bit, tests/test_width.py), so it is trained once."""
+    if d != plan.widths[0]:
+        return parametrisation
+    if method.kind != "subspace":
+        return "mup"  # dense and the bottleneck: every parametrisation is the standard model here
+    return "standard" if parametrisation == "mup-anchored" else parametrisation
+
+
 class Grid:
     """The runs of a plan, trained on demand and cached; ``results`` collects what was run."""
 
@@ -173,8 +185,7 @@ class Grid:
     ) -> float:
         """The final validation loss of one run (inf if it diverged); trains it unless cached
         (NaN for a run not in the cache when ``cached_only``). ``seed``: the plan's unless given."""
-        if d == self.plan.widths[0] and method.kind != "subspace":
-            parametrisation = "mup"  # the same model as the standard one at the base width
+        parametrisation = stored_parametrisation(self.plan, d, method, parametrisation)
         seed = self.plan.seed if seed is None else seed
         variant, quality_plan = run_variant(self.plan, d, method, lr, parametrisation, seed)
         key = run_key(variant.config(quality_plan.train, quality_plan.n_stages), quality_plan.eval_batches)
@@ -278,7 +289,8 @@ def run(
     """Tune at the narrowest width, transfer to the others (muP and the control), check transfers."""
     grid = Grid(plan, dataset, cache, progress, cached_only)
     base = plan.widths[0]
-    parametrisations = ["mup", "standard"] if plan.control else ["mup"]
+    transferred = ["mup", "mup-anchored"] if plan.anchored else ["mup"]
+    parametrisations = transferred + (["standard"] if plan.control else [])
     tuned = {
         (par, m.kind, m.rank, m.optimizer): grid.tune(base, m, par)
         for m in plan.methods(base)
@@ -288,15 +300,19 @@ def run(
     transfer = []
     for d in plan.run_widths[1:]:
         for method in plan.methods(d):
-            lr = tuned_lr(tuned, method, "mup")
-            grid.loss(d, method, lr)
-            check = None
-            if d in plan.check_widths:
-                best = grid.tune(d, method, "mup", start=lr)  # until the local best is interior
-                check = transfer_check(lr, best, grid.swept.get((d, method.name, "mup"), {}))
+            for par in transferred:
+                if par != "mup" and method.kind != "subspace":
+                    continue
+                lr = tuned_lr(tuned, method, par)
+                grid.loss(d, method, lr, par)
+                check = None
+                if d in plan.check_widths:
+                    best = grid.tune(d, method, par, start=lr)  # until the local best is interior
+                    check = transfer_check(lr, best, grid.swept.get((d, method.name, par), {}))
+                point = {"d": d, "method": method.name, "parametrisation": par, "lr": lr}
+                transfer.append(point | {"check": check})
             if plan.control:
                 grid.loss(d, method, tuned_lr(tuned, method, "standard"), "standard")
-            transfer.append({"d": d, "method": method.name, "lr": lr, "check": check})
     for d, method, lr, parametrisation in plan.probes:
         if not plan.max_width or d <= plan.max_width:
             grid.loss(d, method, lr, parametrisation)
@@ -501,6 +517,7 @@ def quick_plan() -> ScalingPlan:
         lr_start=0.1,  # near the tiny models' best, so the sweep stays short
         check_widths=[64],
         control=False,
+        anchored=True,
     )
 
 
@@ -525,6 +542,11 @@ def main() -> None:
     )
     parser.add_argument(
         "--no-control", action="store_true", help="skip the standard parametrisation's control"
+    )
+    parser.add_argument(
+        "--anchored",
+        action="store_true",
+        help="also transfer and check the subspace model under mup-anchored",
     )
     parser.add_argument("--cached-only", action="store_true", help="report the cached runs; train nothing")
     parser.add_argument("--law-out", help="also write the fitted law here (swarm plan's law file)")
@@ -553,6 +575,8 @@ def main() -> None:
     plan.precision = args.precision
     if args.no_control:
         plan.control = False
+    if args.anchored:
+        plan.anchored = True
     if args.ranks:
         plan.ranks = [int(k) for k in args.ranks.split(",")]
     if args.extra_seeds:

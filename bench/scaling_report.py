@@ -57,6 +57,15 @@ def section(r: dict) -> list[str]:
         "apart, so a gap under ~2 points decides nothing on one seed: where a point was rerun with "
         "more seeds at the same lr, the gap is that of the mean losses, each seed's gap in brackets.",
         "",
+        *(
+            [
+                "Under `mup-anchored` the subspace model at the base width is the standard one (bit for "
+                "bit): its sweep there is the standard rows'.",
+                "",
+            ]
+            if s["plan"].get("anchored")
+            else []
+        ),
         "Tuned at the base width:",
         "",
         "| parametrisation | method | lr |",
@@ -95,11 +104,11 @@ def section(r: dict) -> list[str]:
         "one grid point of the local best; tied: its loss within 1% of the best's, level within "
         "the seed noise):",
         "",
-        "| d | method | transferred lr | local losses (lr: loss; two seeds' mean within 2% of the best) "
-        "| local best | holds | within one | tied |",
-        "|---|---|---|---|---|---|---|---|",
+        "| d | parametrisation | method | transferred lr | local losses (lr: loss; two seeds' mean "
+        "within 2% of the best) | local best | holds | within one | tied |",
+        "|---|---|---|---|---|---|---|---|---|",
         *(
-            f"| {t['d']} | {t['method']} | {t['lr']:.3g} | "
+            f"| {t['d']} | {t.get('parametrisation', 'mup')} | {t['method']} | {t['lr']:.3g} | "
             f"{', '.join(f'{float(k):.3g}: {v:.3f}' for k, v in t['check']['losses'].items())} | "
             f"{t['check'].get('best', float('nan')):.3g} | {t['check']['holds']} | "
             f"{t['check'].get('within_one', '-')} | {t['check'].get('tied', '-')} |"

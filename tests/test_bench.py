@@ -159,13 +159,15 @@ def _scaling(results: dict, report: str) -> None:
     assert {(t["parametrisation"], t["kind"]) for t in grid["tuned"]} == {
         ("mup", "dense"),
         ("mup", "subspace"),
+        ("mup-anchored", "subspace"),
     }
+    # at the base width mup-anchored is the standard model: its sweep is trained and stored as that
+    assert not any(r["d"] == 32 and r["parametrisation"] == "mup-anchored" for r in grid["runs"])
+    stored = {"mup-anchored": "standard"}
     for t in grid["tuned"]:  # the sweep ends with the best lr between two worse measured ones
-        runs = [
-            r
-            for r in grid["runs"]
-            if r["d"] == 32 and r["kind"] == t["kind"] and r["parametrisation"] == t["parametrisation"]
-        ]
+        par = stored.get(t["parametrisation"], t["parametrisation"])
+        point = (32, t["kind"], par)
+        runs = [r for r in grid["runs"] if (r["d"], r["kind"], r["parametrisation"]) == point]
         first = {r["lr"]: r["final"] for r in runs if r["seed"] == 0}
         # within 2% of the best, an lr is ranked on the mean of two seeds
         close = {lr for lr, x in first.items() if x <= min(first.values()) * 1.02}
@@ -179,7 +181,12 @@ def _scaling(results: dict, report: str) -> None:
     assert {(r["d"], r["method"]) for r in grid["table"]} == {
         (d, m) for d in (32, 64) for m in ("dense", "subspace k=4")
     }
-    assert all(t["check"] is not None for t in grid["transfer"])  # the local sweep at d = 64
+    assert {(t["parametrisation"], t["method"]) for t in grid["transfer"]} == {
+        ("mup", "dense"),
+        ("mup", "subspace k=4"),
+        ("mup-anchored", "subspace k=4"),
+    }
+    assert all(t["check"] is not None for t in grid["transfer"])  # the local sweeps at d = 64
     assert {e["parametrisation"] for e in grid["coordinate"]["exponents"]} == {"mup", "standard"}
     assert "error" in grid["law"]  # one rank: no law; said so, not fitted
     assert "## Quality as models widen (scaling)" in report

@@ -5,7 +5,15 @@ a loss surface so the rule is checked on known values; the trained grid runs in 
 import math
 from pathlib import Path
 
-from bench.scaling import Grid, Method, ScalingPlan, parse_probe, table, transfer_check
+from bench.scaling import (
+    Grid,
+    Method,
+    ScalingPlan,
+    parse_probe,
+    stored_parametrisation,
+    table,
+    transfer_check,
+)
 from bench.scaling_report import best_gaps
 
 
@@ -103,3 +111,13 @@ def test_a_transfer_check_on_a_flat_optimum_is_tied_but_not_within_one() -> None
     assert transfer_check(4e-3, 1e-3, {1e-3: 4.8, 2e-3: 4.9, 4e-3: 5.0}) is None  # 5e-4, 8e-3 not run
     clear = transfer_check(4e-3, 1e-3, {5e-4: 5.1, 1e-3: 4.8, 2e-3: 4.9, 4e-3: 5.0, 8e-3: 5.3})
     assert not clear["tied"]  # 4% off the best
+
+
+def test_parametrisations_that_build_one_model_at_the_base_width_share_its_runs() -> None:
+    plan = ScalingPlan(widths=[128, 256], ranks=[8], steps=1)
+    sub = Method("subspace", 8)
+    assert stored_parametrisation(plan, 128, sub, "mup-anchored") == "standard"
+    assert stored_parametrisation(plan, 128, sub, "mup") == "mup"  # another model there (rank factor)
+    assert stored_parametrisation(plan, 128, DENSE, "standard") == "mup"
+    assert stored_parametrisation(plan, 256, sub, "mup-anchored") == "mup-anchored"
+    assert stored_parametrisation(plan, 256, DENSE, "standard") == "standard"
