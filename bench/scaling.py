@@ -18,8 +18,9 @@ bottleneck, with AdamW or Muon):
    the tuned lr is that best, and meets the goal if it is within one grid point of it; it is
    *tied* if its loss is within ``TIED`` of the best's (a flat optimum the seeds cannot rank).
 4. **More seeds** (``extra_seeds``): every method again at its best lr measured at that width
-   under muP with other seeds (the same tokens, other inits and sample order); the table reports the
-   mean over seeds and each seed's gap, since two seeds of one variant end ~1% apart here.
+   under muP (and ``mup-anchored``, with ``anchored``) with other seeds (the same tokens, other
+   inits and sample order); the table reports the mean over seeds and each seed's gap, since two
+   seeds of one variant end ~1% apart here.
 5. **Probes** (``probes``): single runs at a width and lr outside the rule (say, where a narrower
    check found the transfer off), reported beside the grid and marked as probes.
 
@@ -250,9 +251,9 @@ class Grid:
                 first[lr] = (first[lr] + second) / 2
         return first
 
-    def best_lr(self, d: int, method: Method, default: float) -> float:
-        """The lr :meth:`tune` chose for ``method`` at width ``d`` under muP, else ``default``."""
-        return self.chosen.get((d, method.name, "mup"), default)
+    def best_lr(self, d: int, method: Method, default: float, parametrisation: str = "mup") -> float:
+        """The lr :meth:`tune` chose for ``method`` at width ``d`` (under muP), else ``default``."""
+        return self.chosen.get((d, method.name, parametrisation), default)
 
 
 def tuned_lr(tuned: dict[tuple, float], method: Method, parametrisation: str) -> float:
@@ -319,7 +320,10 @@ def run(
     for seed in plan.extra_seeds:
         for d in plan.run_widths:
             for method in plan.methods(d):
-                grid.loss(d, method, grid.best_lr(d, method, tuned_lr(tuned, method, "mup")), "mup", seed)
+                for par in transferred:
+                    if par == "mup" or method.kind == "subspace":
+                        lr = grid.best_lr(d, method, tuned_lr(tuned, method, par), par)
+                        grid.loss(d, method, lr, par, seed)
     return {
         "plan": dataclasses.asdict(plan),
         "tuned": [
