@@ -76,7 +76,7 @@ def section(r: dict) -> list[str]:
         ),
         "",
         "Gap to dense (the best parametrisation run on the rule at each point, probes not counted; "
-        "`-`: not run):",
+        "`-`: not run; the heatmap of `scaling.png`):",
         "",
         "| method | " + " | ".join(f"d={d}" for d in widths) + " |",
         "|---|" + "---|" * len(widths),
@@ -84,6 +84,7 @@ def section(r: dict) -> list[str]:
     for kind, k in sorted({(kind, k) for kind, k, _ in best if kind != "dense"}):
         cells = [_gap_cell(best[(kind, k, d)]) if (kind, k, d) in best else "-" for d in widths]
         out.append(f"| {kind} k={k} | " + " | ".join(cells) + " |")
+    out += ["", "The same per parametrisation:", "", *_per_parametrisation(s["table"], widths)]
     out += [
         "",
         "Each method at its best lr measured at that width (the transferred one, the best of a local "
@@ -120,6 +121,22 @@ def section(r: dict) -> list[str]:
         *_law_lines(s.get("law")),
     ]
     return out
+
+
+def _per_parametrisation(table: list[dict], widths: list[int]) -> list[str]:
+    """The gap table with a row per method and parametrisation (the rule's runs, no probes)."""
+    rows: dict[tuple[str, int, str], dict[int, dict]] = {}
+    for row in table:
+        if "gap" in row and not row.get("probe") and row["kind"] != "dense":
+            rows.setdefault((row["kind"], row["rank"], row["parametrisation"]), {})[row["d"]] = row
+    lines = [
+        "| method | parametrisation | " + " | ".join(f"d={d}" for d in widths) + " |",
+        "|---|---|" + "---|" * len(widths),
+    ]
+    for (kind, k, par), by_width in sorted(rows.items()):
+        cells = [_gap_cell(by_width[d]) if d in by_width else "-" for d in widths]
+        lines.append(f"| {kind} k={k} | {par} | " + " | ".join(cells) + " |")
+    return [*lines, ""]
 
 
 def _coordinate_lines(c: dict | None) -> list[str]:
