@@ -531,7 +531,8 @@ def parse_probe(text: str) -> Probe:
     return int(d), Method(kind, int(rank)), float(lr), parametrisation[0] if parametrisation else "mup"
 
 
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
+    """The section's command line (``python -m bench.scaling``)."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", default="bench/results")
@@ -568,7 +569,11 @@ def main() -> None:
     parser.add_argument(
         "--contenders", default="", help="kind:optimizer,... e.g. bottleneck:adamw,dense:muon"
     )
-    args = parser.parse_args()
+    return parser
+
+
+def main() -> None:
+    args = build_parser().parse_args()
     plan = quick_plan() if args.quick else full_plan()
     plan.max_width = args.max_width
     plan.optimizers = args.optimizers.split(",")

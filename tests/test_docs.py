@@ -17,6 +17,7 @@ import pytest
 from swarm.coordinator import cli as coordinator_cli
 from swarm.node import cli as node_cli
 
+from bench import scaling as bench_scaling
 from swarm import cli as swarm_cli
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,6 +37,10 @@ PLACEHOLDERS = {
     "PATH": "/tmp/swarm-docs/file",
     "DIR": "/tmp/swarm-docs/dir",
     "ID": "3f9c2a",
+}
+# Benchmarks the docs quote with flags (run as ``python -m bench.NAME``): their flags count as known.
+BENCH_PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
+    "bench.scaling": bench_scaling.build_parser,
 }
 # Flags of other tools that the docs quote inline, with the tool they belong to.
 OTHER_TOOLS_FLAGS = {
@@ -145,7 +150,8 @@ def test_every_documented_command_line_parses(command: Command):
 
 
 def test_every_inline_flag_exists():
-    known = set(OTHER_TOOLS_FLAGS).union(*(option_strings(build()) for build in PARSERS.values()))
+    builders = [*PARSERS.values(), *BENCH_PARSERS.values()]
+    known = set(OTHER_TOOLS_FLAGS).union(*(option_strings(build()) for build in builders))
     unknown = []
     for doc in DOCS:
         for _, code in INLINE_CODE.findall(prose(doc.read_text())):
