@@ -154,6 +154,12 @@ def run_variant(
     return Variant(name, model, codec), quality_plan
 
 
+def runs_under(method: Method, parametrisation: str) -> bool:
+    """Whether the grid runs ``method`` under ``parametrisation``: muP for every method, the
+    others (standard, mup-anchored) for the subspace model only (its only one they change)."""
+    return parametrisation == "mup" or method.kind == "subspace"
+
+
 def stored_parametrisation(plan: ScalingPlan, d: int, method: Method, parametrisation: str) -> str:
     """The parametrisation a run is trained and cached under: at the base width, one of those that
     build the same model there (bit for bit, tests/test_width.py), so it is trained once."""
@@ -296,14 +302,12 @@ def run(
         (par, m.kind, m.rank, m.optimizer): grid.tune(base, m, par)
         for m in plan.methods(base)
         for par in parametrisations
-        if par == "mup" or m.kind == "subspace"
+        if runs_under(m, par)
     }
     transfer = []
     for d in plan.run_widths[1:]:
         for method in plan.methods(d):
-            for par in transferred:
-                if par != "mup" and method.kind != "subspace":
-                    continue
+            for par in (p for p in transferred if runs_under(method, p)):
                 lr = tuned_lr(tuned, method, par)
                 grid.loss(d, method, lr, par)
                 check = None
@@ -320,10 +324,9 @@ def run(
     for seed in plan.extra_seeds:
         for d in plan.run_widths:
             for method in plan.methods(d):
-                for par in transferred:
-                    if par == "mup" or method.kind == "subspace":
-                        lr = grid.best_lr(d, method, tuned_lr(tuned, method, par), par)
-                        grid.loss(d, method, lr, par, seed)
+                for par in (p for p in transferred if runs_under(method, p)):
+                    lr = grid.best_lr(d, method, tuned_lr(tuned, method, par), par)
+                    grid.loss(d, method, lr, par, seed)
     return {
         "plan": dataclasses.asdict(plan),
         "tuned": [
