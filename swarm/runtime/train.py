@@ -97,7 +97,10 @@ def train(
         total=config.train.steps,
     )
     tokens, wire, eval_seconds = record.tokens, record.wire, record.eval_seconds
-    energy = (0.0, 0.0)  # the statistics' lifetime energies: zero at a start and after a restore
+    stats = [w.statistic for w in pipe.workers if w.statistic is not None]
+    for stat, (off, total) in zip(stats, record.energies, strict=False):  # none at a start
+        stat.lifetime_off, stat.lifetime_total = off, total
+    energy = _energies(stats)  # the statistics' lifetime energies at the last evaluation
     for step in bar:
         result = pipe.train_step(step, batch_ids(*sampler.next_batch()))
         losses.append(result.loss)
@@ -115,7 +118,10 @@ def train(
                 off_subspace.append((done, fraction))
             if progress_file is not None and done < config.train.steps:
                 elapsed = time.perf_counter() - start
-                kept = Progress(done, losses, val_losses, off_subspace, tokens, wire, elapsed, eval_seconds)
+                lifetime = [(st.lifetime_off, st.lifetime_total) for st in stats]
+                kept = Progress(
+                    done, losses, val_losses, off_subspace, tokens, wire, elapsed, eval_seconds, lifetime
+                )
                 _save_progress(progress_file, pipe, sampler, config, kept)
     seconds = time.perf_counter() - start - eval_seconds  # training only
     summary = TrainSummary(
@@ -154,6 +160,9 @@ class Progress:
     wire: float = 0.0
     seconds: float = 0.0  # wall time since the start, evaluations included
     eval_seconds: float = 0.0
+    # each boundary statistic's lifetime (off, total) energies: the off-subspace fractions are
+    # differences of them, so a resumed run continues the same sums (bit for bit)
+    energies: list[tuple[float, float]] = field(default_factory=list)
 
 
 def _save_progress(
@@ -200,8 +209,8 @@ def _load_progress(
     pipe.version = state["version"]
     torch.set_rng_state(state["rng"])
     record = state["record"]
-    for name in ("val_losses", "off_subspace"):
-        record[name] = [tuple(x) for x in record[name]]
+    for name in ("val_losses", "off_subspace", "energies"):
+        record[name] = [tuple(x) for x in record.get(name, [])]  # "energies": newer than some files
     return Progress(**record)
 
 
@@ -227,13 +236,17 @@ def _same_run(saved: dict, config: RunConfig) -> bool:
     return matches(saved, plain(config.to_dict()), plain(RunConfig().to_dict()))
 
 
+def _energies(stats: list) -> tuple[float, float]:
+    """The summed lifetime (off-subspace, total) energies of the boundary statistics."""
+    return sum(s.lifetime_off for s in stats), sum(s.lifetime_total for s in stats)
+
+
 def _off_subspace_since(
     pipe: LocalPipeline, before: tuple[float, float]
 ) -> tuple[float | None, tuple[float, float]]:
     """The off-subspace fraction of the boundary gradients since ``before`` (the lifetime energies
     then), and the energies now; None without a subspace codec."""
-    stats = [w.statistic for w in pipe.workers if w.statistic is not None]
-    now = (sum(s.lifetime_off for s in stats), sum(s.lifetime_total for s in stats))
+    now = _energies([w.statistic for w in pipe.workers if w.statistic is not None])
     off, total = now[0] - before[0], now[1] - before[1]
     return ((off / total) ** 0.5 if total > 0 else None), now
 
