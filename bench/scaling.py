@@ -258,7 +258,8 @@ class Grid:
         return first
 
     def best_lr(self, d: int, method: Method, default: float, parametrisation: str = "mup") -> float:
-        """The lr :meth:`tune` chose for ``method`` at width ``d`` (under muP), else ``default``."""
+        """The lr :meth:`tune` chose for ``method`` at width ``d`` under ``parametrisation``, else
+        ``default``."""
         return self.chosen.get((d, method.name, parametrisation), default)
 
 

@@ -113,7 +113,7 @@ def train(
             t0 = time.perf_counter()
             val_losses.append((done, evaluate(pipe, dataset, config, eval_batches)))
             eval_seconds += time.perf_counter() - t0
-            fraction, energy = _off_subspace_since(pipe, energy)
+            fraction, energy = _off_subspace_since(stats, energy)
             if fraction is not None:
                 off_subspace.append((done, fraction))
             if progress_file is not None and done < config.train.steps:
@@ -241,12 +241,10 @@ def _energies(stats: list) -> tuple[float, float]:
     return sum(s.lifetime_off for s in stats), sum(s.lifetime_total for s in stats)
 
 
-def _off_subspace_since(
-    pipe: LocalPipeline, before: tuple[float, float]
-) -> tuple[float | None, tuple[float, float]]:
-    """The off-subspace fraction of the boundary gradients since ``before`` (the lifetime energies
-    then), and the energies now; None without a subspace codec."""
-    now = _energies([w.statistic for w in pipe.workers if w.statistic is not None])
+def _off_subspace_since(stats: list, before: tuple[float, float]) -> tuple[float | None, tuple[float, float]]:
+    """The off-subspace fraction of the boundary gradients ``stats`` saw since ``before`` (their
+    lifetime energies then), and the energies now; None without a subspace codec (no stats)."""
+    now = _energies(stats)
     off, total = now[0] - before[0], now[1] - before[1]
     return ((off / total) ** 0.5 if total > 0 else None), now
 
