@@ -271,13 +271,26 @@ def _changed(values: dict, defaults: dict) -> dict:
     return out
 
 
+# Defaults changed after curves were cached, at the values the cache's keys are relative to.
+KEYED_DEFAULTS = {"model": {"subspace_rank": 32, "parametrisation": "standard"}, "train": {"lr": 3e-3}}
+
+
+def key_defaults() -> dict:
+    """The defaults cache keys are relative to: :class:`RunConfig`'s, the changed ones as they were."""
+    defaults = RunConfig().to_dict()
+    for section, values in KEYED_DEFAULTS.items():
+        defaults[section] |= values
+    return defaults
+
+
 def run_key(config: RunConfig, eval_batches: int) -> str:
-    """A curve's cache key: the run's settings that differ from :class:`RunConfig`'s defaults.
+    """A curve's cache key: the run's settings that differ from :func:`key_defaults`.
 
     An option added later with a default that keeps the old behaviour leaves the keys of the
-    curves measured before it, so adding a variant reruns only that variant.
+    curves measured before it, so adding a variant reruns only that variant; a default changed
+    later goes into ``KEYED_DEFAULTS`` at its old value, so every cached curve keeps its key.
     """
-    changed = _changed(config.to_dict(), RunConfig().to_dict())
+    changed = _changed(config.to_dict(), key_defaults())
     text = json.dumps(changed, sort_keys=True, default=str)
     return hashlib.sha256(f"{text}/{eval_batches}".encode()).hexdigest()[:16]
 

@@ -500,7 +500,32 @@ def full(
         ],
         plan.steps,
     )
+    if "coef" in result["law"]:
+        result["law"] |= {"steps": plan.steps, "measured": measured_points(result["table"])}
     return result
+
+
+def measured_points(table: list[dict]) -> list[dict]:
+    """Per width and rank, the subspace model's row on the rule with the smallest gap (any
+    parametrisation): what ``swarm plan`` quotes at the widths the grid ran instead of the law."""
+    best: dict[tuple[int, int], dict] = {}
+    for row in table:
+        if row["kind"] != "subspace" or row["probe"] or row["gap"] is None:
+            continue
+        key = (row["d"], row["rank"])
+        if key not in best or row["gap"] < best[key]["gap"]:
+            best[key] = row
+    return [
+        {
+            "d": d,
+            "rank": k,
+            "parametrisation": row["parametrisation"],
+            "lr": row["lr"],
+            "gap": row["gap"],
+            "seed_gaps": row["seed_gaps"],
+        }
+        for (d, k), row in sorted(best.items())
+    ]
 
 
 def full_plan() -> ScalingPlan:

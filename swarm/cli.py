@@ -398,18 +398,25 @@ def cmd_plan(args: argparse.Namespace) -> int:
         f"{args.mbps:g} Mbit/s, {args.rtt_ms:g} ms RTT, compute {args.profile}; "
         f"{args.microbatches} microbatches of {args.microbatch_tokens} tokens (GPipe)"
     )
-    print(f"{'method':<20} {'tokens/s':>10} {'gap (law)':>16} {'steps to dense loss':>20} {'sooner':>8}")
+    print(f"{'method':<20} {'tokens/s':>10} {'gap':>16} {'':<9} {'steps to dense loss':>20} {'sooner':>8}")
     for c in candidates:
         gap = "0" if c.rank == 0 else f"{100 * c.gap:+.1f}% ± {100 * c.uncertainty:.1f}"
+        source = "" if c.rank == 0 else "measured" if c.measured else "law"
         mark = "  <- recommended" if c is best else ""
         print(
-            f"{c.name:<20} {c.tokens_per_s:>10.0f} {gap:>16} {c.steps_factor:>19.2f}x "
+            f"{c.name:<20} {c.tokens_per_s:>10.0f} {gap:>16} {source:<9} {c.steps_factor:>19.2f}x "
             f"{c.speedup:>7.1f}x{mark}"
         )
+    if best.measured:
+        m = best.measured
+        print(
+            f"recommended settings (measured at d={m.d}, {len(m.seed_gaps)} seed(s)): model.subspace_rank = "
+            f"{m.rank}, model.parametrisation = {m.parametrisation!r}, train.lr = {m.lr:g}"
+        )
     print(
-        f"An estimate: the gap law ({law.source}) is extrapolated from small widths; "
-        f"steps and 'sooner' take the gap + its uncertainty; recommended: the soonest to dense's loss "
-        f"whose predicted gap <= {100 * args.max_gap:g}%."
+        f"An estimate: gaps are the scaling bench's ({law.source}): measured at its widths, else its "
+        f"law, extrapolated from them; steps and 'sooner' take the gap + its uncertainty; recommended: "
+        f"the soonest to dense's loss whose gap <= {100 * args.max_gap:g}%."
     )
     return 0
 

@@ -8,9 +8,9 @@ import math
 import pytest
 
 from swarm.cli import main
-from swarm.core.config import ModelConfig
-from swarm.core.plan import DEFAULT_LAW, GapLaw, Link, plan, recommend, tokens_per_second
-from swarm.core.profiles import ComputeProfile
+from swarm.core.config import MODEL_PRESETS, ModelConfig, RunConfig
+from swarm.core.plan import DEFAULT_LAW, GapLaw, Link, Measured, plan, recommend, tokens_per_second
+from swarm.core.profiles import ComputeProfile, load_profile
 
 # 10 us forward and 20 us backward per token and layer; a boundary's maps 4 us per token (1 us a side)
 PROFILE = ComputeProfile("made-up", "test", "none", "by hand", 10.0, 20.0, 512, boundary_us_per_token=4.0)
@@ -59,6 +59,40 @@ def test_a_negative_gap_counts_as_none():
     assert row.gap == -0.5 and row.steps_factor == 1.0
 
 
+def test_a_measured_point_replaces_the_law_at_its_width_only():
+    two_seeds = Measured(1024, 32, "mup-anchored", 0.002, 0.005, (0.02, -0.01))
+    one_seed = Measured(1024, 16, "mup", 0.001, -0.02, (-0.02,))
+    elsewhere = Measured(512, 8, "mup", 0.001, 0.0, (0.0,))
+    law = GapLaw(LAW.coef, 0.01, 0.1, "by hand", (two_seeds, one_seed, elsewhere), steps=1000)
+    rows = plan(model(4), PROFILE, Link(100.0, 40.0), law, [16, 64], n_stages=2)
+    by_rank = {r.rank: r for r in rows}
+    assert sorted(by_rank) == [0, 16, 32, 64]  # the measured rank 32 joins; 512's rank 8 does not
+    # two seeds: half their spread (0.015); one seed: twice the seed noise (0.02)
+    assert (by_rank[32].gap, by_rank[32].uncertainty, by_rank[32].measured) == (0.005, 0.015, two_seeds)
+    assert by_rank[32].steps_factor == pytest.approx((1 + 0.005 + 0.015) ** 10)
+    assert (by_rank[16].gap, by_rank[16].uncertainty, by_rank[16].steps_factor) == (-0.02, 0.02, 1.0)
+    assert by_rank[64].measured is None and by_rank[64].gap == pytest.approx(0.01 - 0.002 * math.log(64))
+    # another horizon than the one measured: the law
+    assert plan(model(4), PROFILE, Link(100.0, 40.0), law, [], 2, steps=2000)[1:] == []
+
+
+def test_the_embedded_default_run_is_the_plans_recommendation_for_its_width():
+    """`make run` (RunConfig's defaults) trains what `swarm plan` recommends for the small preset on
+    its default link and profile from the shipped law: the measured rank, parametrisation and lr."""
+    default = RunConfig()
+    assert default.model == MODEL_PRESETS["small"]
+    law = GapLaw.load(DEFAULT_LAW)
+    profile = load_profile("h200-2b-8layer-mb2048")  # swarm plan's defaults
+    rows = plan(default.model, profile, Link(80.0, 50.0), law, [10, 20, 40, 80], n_stages=8)
+    best = recommend(rows, max_gap=0.03).measured
+    assert best is not None and best.d == default.model.d_model
+    assert (default.model.subspace_rank, default.model.parametrisation, default.train.lr) == (
+        best.rank,
+        best.parametrisation,
+        best.lr,
+    )
+
+
 def test_the_command_prints_every_candidate_and_one_recommendation(tmp_path, capsys):
     law = tmp_path / "law.json"  # a scaling bench result holding a law
     law.write_text(json.dumps({"law": {"coef": [0.01, -0.002, 0.0, 0.0], "loo_error": 0.01, "alpha": 0.1}}))
@@ -66,6 +100,14 @@ def test_the_command_prints_every_candidate_and_one_recommendation(tmp_path, cap
     out = capsys.readouterr().out
     assert "dense bf16" in out and "subspace k=20" in out and "subspace k=40" in out
     assert out.count("<- recommended") == 1 and "An estimate" in out
+    rows = [line for line in out.splitlines() if line.startswith("subspace")]
+    assert all(line.split()[7] == "law" for line in rows) and "recommended settings" not in out
+    point = {"d": 4096, "rank": 32, "parametrisation": "mup", "lr": 0.001, "gap": -0.05, "seed_gaps": [-0.05]}
+    law.write_text(json.dumps({"law": json.loads(law.read_text())["law"] | {"measured": [point]}}))
+    assert main(["plan", "--ranks", "40,80", "--law", str(law)]) == 0  # 32: fewest bytes, no gap
+    out = capsys.readouterr().out
+    assert "subspace k=32 bf16" in out and "-5.0% ± 2.0 measured" in out
+    assert "(measured at d=4096, 1 seed(s)): model.subspace_rank = 32, model.parametrisation = 'mup'" in out
     law.write_text(json.dumps({"law": {"error": "one rank: no law"}}))
     assert main(["plan", "--law", str(law)]) != 0
     assert "no fitted law (one rank: no law)" in capsys.readouterr().err

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from pathlib import Path
 
 import pytest
 
@@ -13,16 +15,20 @@ from bench.quality import (
     gap_trend,
     paper_step_seconds,
     parameter_count,
+    run_key,
     steps_to,
     variants,
 )
+from bench.scaling import Method, full_plan, run_variant
 from bench.throughput import Link
-from swarm.core.config import MODEL_PRESETS, CodecConfig, RunConfig, TrainConfig
+from swarm.core.config import MODEL_PRESETS, CodecConfig, ModelConfig, RunConfig, TrainConfig
 from swarm.core.model import Stage
 from swarm.core.profiles import load_profile
 from swarm.core.subspace import initial_artifacts
 from swarm.io.data import load_dataset
 from tests.helpers import tiny_config
+
+CACHE = Path(__file__).resolve().parents[1] / "bench" / "results" / "scaling-runs"  # shipped curves
 
 
 @pytest.mark.parametrize("change", [{}, {"constrain_writes": False}, {"full_rank_layers": 1}, {"d_ff": 40}])
@@ -78,3 +84,20 @@ def test_a_diverging_variant_is_recorded_not_fatal(tmp_path):
     row = curve(variant, plan, dataset, tmp_path, lambda _: None)
     assert "non-finite" in row["diverged"] and "val_curve" not in row
     assert curve(variant, plan, dataset, tmp_path, lambda _: None) == row  # cached like any curve
+
+
+def test_cache_keys_outlive_a_changed_default():
+    """The defaults cached curves were keyed against keep the empty key, so the shipped cache is found
+    after a default changed; the new defaults are a change like any other."""
+    old_model = dataclasses.replace(ModelConfig(), subspace_rank=32, parametrisation="standard")
+    old = RunConfig(model=old_model, train=dataclasses.replace(TrainConfig(), lr=3e-3))
+    empty = hashlib.sha256(b"{}/16").hexdigest()[:16]
+    assert run_key(old, 16) == empty and run_key(RunConfig(), 16) != empty
+    plan = full_plan()
+    for method, lr, parametrisation in [
+        (Method("dense", 0), 0.004, "mup"),
+        (Method("subspace", 8), 0.002, "standard"),
+    ]:
+        variant, quality_plan = run_variant(plan, 128, method, lr, parametrisation, plan.seed)
+        key = run_key(variant.config(quality_plan.train, quality_plan.n_stages), quality_plan.eval_batches)
+        assert (CACHE / f"{key}.json").exists(), variant.name

@@ -8,12 +8,12 @@ import math
 import pytest
 import torch
 
-from swarm.core.config import ModelConfig, RunConfig
+from swarm.core.config import ModelConfig, RunConfig, TrainConfig
 from swarm.core.subspace import initial_artifacts
 from swarm.runtime.pipeline import LocalPipeline
 from tests.helpers import random_batch, tiny_config
 
-LR = 3e-3  # TrainConfig's default
+LR = TrainConfig().lr
 
 
 def _base_lrs(pipe: LocalPipeline) -> dict[str, float]:
@@ -103,4 +103,4 @@ def test_unknown_parametrisation_is_refused():
         ModelConfig(parametrisation="ntk")
     with pytest.raises(ValueError, match="base_width"):
         ModelConfig(base_width=0)
-    assert RunConfig().model.parametrisation == "standard"
+    assert RunConfig().model.parametrisation == "mup-anchored"  # the scaling bench's winner

@@ -42,13 +42,15 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    subspace_rank: int = 32
+    # The embedded default run is `swarm plan`'s recommendation for this width (k, parametrisation
+    # and train.lr measured by the scaling bench at d=256; tests/test_plan.py keeps them in step).
+    subspace_rank: int = 16
     constrain_writes: bool = True
     full_rank_layers: int = 0
     # How init scales and learning rates follow the width (swarm.core.width): "standard", or
     # "mup", whose hyperparameters tuned at d_model = base_width carry over to other widths, or
-    # "mup-anchored": muP that is the standard model at base_width for constrained models too.
-    parametrisation: str = "standard"
+    # "mup-anchored" (default): muP that is the standard model at base_width for constrained models too.
+    parametrisation: str = "mup-anchored"
     base_width: int = 128
     # A residual bottleneck (ResBM-like) at each stage boundary: the stream leaving a stage is
     # ``(X - E_fixed[tok]) P`` (k = bottleneck_rank numbers per token), the next stage starts from
@@ -234,7 +236,7 @@ class TrainConfig:
     batch_size: int = 8
     seq_len: int = 128
     microbatches: int = 2
-    lr: float = 3e-3
+    lr: float = 2e-3  # under muP, the lr at model.base_width (the default: see ModelConfig.subspace_rank)
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     weight_decay: float = 0.01

@@ -6,15 +6,18 @@ stages (GPipe, a flush per step):
 * **tokens/s**: per microbatch each stage's compute (a :class:`~swarm.core.profiles.ComputeProfile`)
   or its boundary's transfer, whichever is slower, ``M + P - 1`` slots per phase plus one round trip
   through the ``P - 1`` hops (the ``paper_scale`` bench's bound);
-* **predicted gap** to dense at equal steps: the ``scaling`` bench's law ``a + b ln k + c ln d + e ln s``
-  with its uncertainty (an extrapolation far beyond the widths it was fitted on: labelled so);
+* **gap** to dense at equal steps: measured, where the ``scaling`` bench ran that width and rank (its
+  best parametrisation there, with the lr it ran at, the uncertainty its seeds allow); else predicted
+  by the bench's law ``a + b ln k + c ln d + e ln s`` with its uncertainty (an extrapolation far
+  beyond the widths it was fitted on: labelled so);
 * **time to dense's final loss**: a run that ends ``g`` above dense needs ``(1 + g)^(1/alpha)`` times
   the steps, ``alpha`` being dense's loss-vs-steps exponent from the same bench. Taken pessimistically:
   ``g`` is the predicted gap plus its uncertainty, and never below zero (no method is credited with
   beating dense per step).
 
-The recommendation is the soonest to dense's loss (so counted) among the methods whose predicted
-gap is within ``max_gap``; dense when none is. All of it is an estimate.
+The recommendation is the soonest to dense's loss (so counted) among the methods whose gap is
+within ``max_gap``; dense when none is. All of it is an estimate. The embedded default run
+(``swarm up``) is this recommendation for its own width (tests/test_plan.py checks it).
 """
 
 from __future__ import annotations
@@ -30,19 +33,50 @@ from swarm.core.profiles import ComputeProfile
 BF16 = 2  # bytes per value on the wire
 
 
+SEED_NOISE = 0.01  # two scaling runs differing only in seed end ~1% apart
+
+
+@dataclass(frozen=True)
+class Measured:
+    """A grid point the ``scaling`` bench ran at ``steps``: the subspace model at width ``d`` and rank
+    ``rank`` under its best parametrisation there, at the (base) lr it ran at; its gap to dense over
+    its seeds and each seed's gap."""
+
+    d: int
+    rank: int
+    parametrisation: str
+    lr: float
+    gap: float
+    seed_gaps: tuple[float, ...]
+
+    @property
+    def uncertainty(self) -> float:
+        """Half its seeds' spread, at least the seed noise; twice the noise for a single seed."""
+        if len(self.seed_gaps) < 2:
+            return 2 * SEED_NOISE
+        return max((max(self.seed_gaps) - min(self.seed_gaps)) / 2, SEED_NOISE)
+
+
 @dataclass(frozen=True)
 class GapLaw:
     """``gap = a + b ln k + c ln d + e ln s`` with a one-sd ``uncertainty``; ``alpha``: dense's loss ~
-    steps^-alpha; ``source``: where it was measured."""
+    steps^-alpha; ``source``: where it was measured; ``measured``: the grid points it was fitted on,
+    at ``steps`` steps."""
 
     coef: tuple[float, float, float, float]
     uncertainty: float
     alpha: float
     source: str
+    measured: tuple[Measured, ...] = ()
+    steps: int = 1000
 
     def gap(self, k: int, d: int, steps: int) -> float:
         a, b, c, e = self.coef
         return a + b * math.log(k) + c * math.log(d) + e * math.log(steps)
+
+    def point(self, k: int, d: int, steps: int) -> Measured | None:
+        """The measured grid point at this rank and width, if the bench ran it for ``steps`` steps."""
+        return next((m for m in self.measured if (m.rank, m.d, self.steps) == (k, d, steps)), None)
 
     @classmethod
     def load(cls, path: str | Path) -> GapLaw:
@@ -51,7 +85,18 @@ class GapLaw:
         law = data.get("law", data)
         if "coef" not in law:
             raise ValueError(f"{path}: no fitted law ({law.get('error', 'no coef')})")
-        return cls(tuple(law["coef"]), law["loo_error"], law["alpha"], law.get("source", str(path)))
+        measured = tuple(
+            Measured(m["d"], m["rank"], m["parametrisation"], m["lr"], m["gap"], tuple(m["seed_gaps"]))
+            for m in law.get("measured", [])
+        )
+        return cls(
+            tuple(law["coef"]),
+            law["loo_error"],
+            law["alpha"],
+            law.get("source", str(path)),
+            measured,
+            law.get("steps", 1000),
+        )
 
 
 DEFAULT_LAW = Path(__file__).resolve().parent.parent / "profiles" / "laws" / "subspace-gap.json"
@@ -72,6 +117,7 @@ class Candidate:
     uncertainty: float
     steps_factor: float  # steps to dense's final loss over dense's (pessimistic gap)
     speedup: float  # dense's time to its final loss over this method's (pessimistic gap)
+    measured: Measured | None = None  # the grid point the gap was measured at (None: the law's)
 
 
 def tokens_per_second(
@@ -112,22 +158,27 @@ def plan(
     microbatch_tokens: int = 2048,
     steps: int = 1000,
 ) -> list[Candidate]:
-    """Dense, then each rank in ``ranks`` (those below d)."""
+    """Dense, then each rank in ``ranks`` and each the law measured at this width (those below d)."""
+    d = model.d_model
     dense_tps = tokens_per_second(model, profile, link, n_stages, microbatches, microbatch_tokens, 0)
     out = [Candidate("dense bf16", 0, dense_tps, 0.0, 0.0, 1.0, 1.0)]
-    for k in ranks:
-        if not 0 < k < model.d_model:
+    measured_ranks = [m.rank for m in law.measured if law.point(m.rank, d, steps)]
+    for k in sorted(set(ranks) | set(measured_ranks)):
+        if not 0 < k < d:
             continue
         tps = tokens_per_second(model, profile, link, n_stages, microbatches, microbatch_tokens, k)
-        gap = law.gap(k, model.d_model, steps)
-        factor = (1 + max(gap + law.uncertainty, 0.0)) ** (1 / law.alpha)
-        out.append(
-            Candidate(f"subspace k={k} bf16", k, tps, gap, law.uncertainty, factor, tps / dense_tps / factor)
-        )
+        point = law.point(k, d, steps)
+        if point:
+            gap, uncertainty = point.gap, point.uncertainty
+        else:
+            gap, uncertainty = law.gap(k, d, steps), law.uncertainty
+        factor = (1 + max(gap + uncertainty, 0.0)) ** (1 / law.alpha)
+        name = f"subspace k={k} bf16"
+        out.append(Candidate(name, k, tps, gap, uncertainty, factor, tps / dense_tps / factor, point))
     return out
 
 
 def recommend(candidates: list[Candidate], max_gap: float) -> Candidate:
-    """The soonest to dense's loss among those whose predicted gap is within ``max_gap``."""
+    """The soonest to dense's loss among those whose (measured or predicted) gap is within ``max_gap``."""
     allowed = [c for c in candidates if c.rank == 0 or c.gap <= max_gap]
     return max(allowed, key=lambda c: c.speedup)
