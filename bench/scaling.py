@@ -501,16 +501,18 @@ def full(
         plan.steps,
     )
     if "coef" in result["law"]:
-        result["law"] |= {"steps": plan.steps, "measured": measured_points(result["table"])}
+        shape = {"n_layers": plan.n_layers, "vocab_size": plan.vocab_size}
+        result["law"] |= {"steps": plan.steps, "shape": shape, "measured": measured_points(result["table"])}
     return result
 
 
 def measured_points(table: list[dict]) -> list[dict]:
     """Per width and rank, the subspace model's row on the rule with the smallest gap (any
-    parametrisation): what ``swarm plan`` quotes at the widths the grid ran instead of the law."""
+    parametrisation; AdamW, the optimizer the lrs are for): what ``swarm plan`` quotes at the widths
+    the grid ran instead of the law. Diverged rows (no gap) are left out."""
     best: dict[tuple[int, int], dict] = {}
     for row in table:
-        if row["kind"] != "subspace" or row["probe"] or row["gap"] is None:
+        if row["method"] != f"subspace k={row['rank']}" or row["probe"] or row.get("gap") is None:
             continue
         key = (row["d"], row["rank"])
         if key not in best or row["gap"] < best[key]["gap"]:

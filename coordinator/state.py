@@ -133,7 +133,8 @@ class CoordinatorState:
         if row[1] != digest:
             raise ValueError(
                 f"state file {self.path} holds run {row[0]} with config {row[1][:12]}, not {digest[:12]}; "
-                "use another --state file to start a new run"
+                "use another --state file to start a new run (a run on the embedded defaults resumes "
+                "only under the release that wrote it: pass its configuration with --config)"
             )
         if run_id is not None and run_id != row[0]:
             raise ValueError(f"state file {self.path} holds run {row[0]}, not {run_id}")

@@ -432,7 +432,11 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stages", type=int, default=8, help="pipeline stages")
     p.add_argument("--microbatches", type=int, default=8)
     p.add_argument("--microbatch-tokens", type=int, default=2048)
-    p.add_argument("--ranks", default="10,20,40,80", help="candidate subspace ranks")
+    p.add_argument(
+        "--ranks",
+        default="10,20,40,80",
+        help="candidate subspace ranks (those measured at the width join them)",
+    )
     p.add_argument("--steps", type=int, default=1000, help="the horizon the gap is predicted at")
     p.add_argument("--max-gap", type=float, default=0.03, help="the largest predicted gap accepted")
     p.add_argument("--law", default=str(DEFAULT_LAW), help="a law file or a scaling bench result")

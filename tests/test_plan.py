@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 
 import pytest
 
-from swarm.cli import main
+from swarm.cli import build_parser, main
 from swarm.core.config import MODEL_PRESETS, ModelConfig, RunConfig
 from swarm.core.plan import DEFAULT_LAW, GapLaw, Link, Measured, plan, recommend, tokens_per_second
 from swarm.core.profiles import ComputeProfile, load_profile
@@ -63,7 +64,7 @@ def test_a_measured_point_replaces_the_law_at_its_width_only():
     two_seeds = Measured(1024, 32, "mup-anchored", 0.002, 0.005, (0.02, -0.01))
     one_seed = Measured(1024, 16, "mup", 0.001, -0.02, (-0.02,))
     elsewhere = Measured(512, 8, "mup", 0.001, 0.0, (0.0,))
-    law = GapLaw(LAW.coef, 0.01, 0.1, "by hand", (two_seeds, one_seed, elsewhere), steps=1000)
+    law = GapLaw(LAW.coef, 0.01, 0.1, "by hand", (two_seeds, one_seed, elsewhere), 1000, layers=4, vocab=256)
     rows = plan(model(4), PROFILE, Link(100.0, 40.0), law, [16, 64], n_stages=2)
     by_rank = {r.rank: r for r in rows}
     assert sorted(by_rank) == [0, 16, 32, 64]  # the measured rank 32 joins; 512's rank 8 does not
@@ -72,19 +73,28 @@ def test_a_measured_point_replaces_the_law_at_its_width_only():
     assert by_rank[32].steps_factor == pytest.approx((1 + 0.005 + 0.015) ** 10)
     assert (by_rank[16].gap, by_rank[16].uncertainty, by_rank[16].steps_factor) == (-0.02, 0.02, 1.0)
     assert by_rank[64].measured is None and by_rank[64].gap == pytest.approx(0.01 - 0.002 * math.log(64))
-    # another horizon than the one measured: the law
+    # another horizon, depth or vocabulary than the grid's: the law
     assert plan(model(4), PROFILE, Link(100.0, 40.0), law, [], 2, steps=2000)[1:] == []
+    assert plan(model(6), PROFILE, Link(100.0, 40.0), law, [], 2)[1:] == []
+    other_vocab = dataclasses.replace(model(4), vocab_size=512)
+    assert all(r.measured is None for r in plan(other_vocab, PROFILE, Link(100.0, 40.0), law, [16], 2))
 
 
 def test_the_embedded_default_run_is_the_plans_recommendation_for_its_width():
-    """`make run` (RunConfig's defaults) trains what `swarm plan` recommends for the small preset on
-    its default link and profile from the shipped law: the measured rank, parametrisation and lr."""
+    """`make run` (RunConfig's defaults) trains what `swarm plan --preset small --stages 4` recommends
+    with its other defaults (link, profile, ranks, the grid's horizon) from the shipped law: the
+    measured rank, parametrisation and lr."""
     default = RunConfig()
     assert default.model == MODEL_PRESETS["small"]
-    law = GapLaw.load(DEFAULT_LAW)
-    profile = load_profile("h200-2b-8layer-mb2048")  # swarm plan's defaults
-    rows = plan(default.model, profile, Link(80.0, 50.0), law, [10, 20, 40, 80], n_stages=8)
-    best = recommend(rows, max_gap=0.03).measured
+    args = build_parser().parse_args(["plan", "--preset", "small", "--stages", str(default.n_stages)])
+    law = GapLaw.load(args.law)
+    assert args.steps == law.steps  # the horizon the grid measured
+    ranks = [int(k) for k in args.ranks.split(",")]
+    link = Link(args.mbps, args.rtt_ms)
+    profile = load_profile(args.profile)
+    shape = (args.stages, args.microbatches, args.microbatch_tokens, args.steps)
+    rows = plan(default.model, profile, link, law, ranks, *shape)
+    best = recommend(rows, args.max_gap).measured
     assert best is not None and best.d == default.model.d_model
     assert (default.model.subspace_rank, default.model.parametrisation, default.train.lr) == (
         best.rank,
@@ -103,7 +113,8 @@ def test_the_command_prints_every_candidate_and_one_recommendation(tmp_path, cap
     rows = [line for line in out.splitlines() if line.startswith("subspace")]
     assert all(line.split()[7] == "law" for line in rows) and "recommended settings" not in out
     point = {"d": 4096, "rank": 32, "parametrisation": "mup", "lr": 0.001, "gap": -0.05, "seed_gaps": [-0.05]}
-    law.write_text(json.dumps({"law": json.loads(law.read_text())["law"] | {"measured": [point]}}))
+    grid = {"measured": [point], "shape": {"n_layers": 8, "vocab_size": 32000}}  # the 2b-8layer preset's
+    law.write_text(json.dumps({"law": json.loads(law.read_text())["law"] | grid}))
     assert main(["plan", "--ranks", "40,80", "--law", str(law)]) == 0  # 32: fewest bytes, no gap
     out = capsys.readouterr().out
     assert "subspace k=32 bf16" in out and "-5.0% ± 2.0 measured" in out

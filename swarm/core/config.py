@@ -42,9 +42,10 @@ class ModelConfig:
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
     init_std: float = 0.02
-    # The embedded default run is `swarm plan`'s recommendation for this width (k, parametrisation
-    # and train.lr measured by the scaling bench at d=256; tests/test_plan.py keeps them in step).
-    subspace_rank: int = 16
+    # The embedded default run (this model in 4 stages) is `swarm plan`'s recommendation for its
+    # width and stages at the plan's default link and profile: k, parametrisation and train.lr as
+    # the scaling bench measured them at d=256 (tests/test_plan.py keeps them in step).
+    subspace_rank: int = 8
     constrain_writes: bool = True
     full_rank_layers: int = 0
     # How init scales and learning rates follow the width (swarm.core.width): "standard", or
@@ -111,8 +112,15 @@ class ModelConfig:
 
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(
-        vocab_size=512, d_model=64, n_layers=4, n_heads=4, d_ff=172, max_seq_len=64, subspace_rank=16
+    "tiny": ModelConfig(  # its own base width: mup-anchored is then the standard model, as it was measured
+        vocab_size=512,
+        d_model=64,
+        n_layers=4,
+        n_heads=4,
+        d_ff=172,
+        max_seq_len=64,
+        subspace_rank=16,
+        base_width=64,
     ),
     "small": ModelConfig(),
     "150m": ModelConfig(
@@ -236,7 +244,7 @@ class TrainConfig:
     batch_size: int = 8
     seq_len: int = 128
     microbatches: int = 2
-    lr: float = 2e-3  # under muP, the lr at model.base_width (the default: see ModelConfig.subspace_rank)
+    lr: float = 2e-3  # under muP, the base width's lr carried to every width (see ModelConfig.subspace_rank)
     min_lr_ratio: float = 0.1
     warmup_steps: int = 20
     weight_decay: float = 0.01

@@ -6,8 +6,9 @@ stages (GPipe, a flush per step):
 * **tokens/s**: per microbatch each stage's compute (a :class:`~swarm.core.profiles.ComputeProfile`)
   or its boundary's transfer, whichever is slower, ``M + P - 1`` slots per phase plus one round trip
   through the ``P - 1`` hops (the ``paper_scale`` bench's bound);
-* **gap** to dense at equal steps: measured, where the ``scaling`` bench ran that width and rank (its
-  best parametrisation there, with the lr it ran at, the uncertainty its seeds allow); else predicted
+* **gap** to dense at equal steps: measured, where the ``scaling`` bench ran that width and rank on a
+  model of that depth and vocabulary (its best parametrisation there, with the lr it ran at, the
+  uncertainty its seeds allow); else predicted
   by the bench's law ``a + b ln k + c ln d + e ln s`` with its uncertainty (an extrapolation far
   beyond the widths it was fitted on: labelled so);
 * **time to dense's final loss**: a run that ends ``g`` above dense needs ``(1 + g)^(1/alpha)`` times
@@ -61,7 +62,7 @@ class Measured:
 class GapLaw:
     """``gap = a + b ln k + c ln d + e ln s`` with a one-sd ``uncertainty``; ``alpha``: dense's loss ~
     steps^-alpha; ``source``: where it was measured; ``measured``: the grid points it was fitted on,
-    at ``steps`` steps."""
+    at ``steps`` steps, of models with ``layers`` layers and a ``vocab``-token vocabulary."""
 
     coef: tuple[float, float, float, float]
     uncertainty: float
@@ -69,14 +70,19 @@ class GapLaw:
     source: str
     measured: tuple[Measured, ...] = ()
     steps: int = 1000
+    layers: int = 4
+    vocab: int = 4096
 
     def gap(self, k: int, d: int, steps: int) -> float:
         a, b, c, e = self.coef
         return a + b * math.log(k) + c * math.log(d) + e * math.log(steps)
 
-    def point(self, k: int, d: int, steps: int) -> Measured | None:
-        """The measured grid point at this rank and width, if the bench ran it for ``steps`` steps."""
-        return next((m for m in self.measured if (m.rank, m.d, self.steps) == (k, d, steps)), None)
+    def point(self, k: int, model: ModelConfig, steps: int) -> Measured | None:
+        """The measured grid point at this rank and the model's width, if the bench ran it for
+        ``steps`` steps on a model of this depth and vocabulary."""
+        if (model.n_layers, model.vocab_size, steps) != (self.layers, self.vocab, self.steps):
+            return None
+        return next((m for m in self.measured if (m.rank, m.d) == (k, model.d_model)), None)
 
     @classmethod
     def load(cls, path: str | Path) -> GapLaw:
@@ -89,6 +95,7 @@ class GapLaw:
             Measured(m["d"], m["rank"], m["parametrisation"], m["lr"], m["gap"], tuple(m["seed_gaps"]))
             for m in law.get("measured", [])
         )
+        shape = law.get("shape", {})
         return cls(
             tuple(law["coef"]),
             law["loo_error"],
@@ -96,6 +103,8 @@ class GapLaw:
             law.get("source", str(path)),
             measured,
             law.get("steps", 1000),
+            shape.get("n_layers", 4),
+            shape.get("vocab_size", 4096),
         )
 
 
@@ -162,12 +171,12 @@ def plan(
     d = model.d_model
     dense_tps = tokens_per_second(model, profile, link, n_stages, microbatches, microbatch_tokens, 0)
     out = [Candidate("dense bf16", 0, dense_tps, 0.0, 0.0, 1.0, 1.0)]
-    measured_ranks = [m.rank for m in law.measured if law.point(m.rank, d, steps)]
+    measured_ranks = [m.rank for m in law.measured if law.point(m.rank, model, steps)]
     for k in sorted(set(ranks) | set(measured_ranks)):
         if not 0 < k < d:
             continue
         tps = tokens_per_second(model, profile, link, n_stages, microbatches, microbatch_tokens, k)
-        point = law.point(k, d, steps)
+        point = law.point(k, model, steps)
         if point:
             gap, uncertainty = point.gap, point.uncertainty
         else:

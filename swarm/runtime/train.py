@@ -196,7 +196,10 @@ def _load_progress(
     """Load :func:`_save_progress`'s file into a freshly built pipeline; refuses another run's file."""
     state = torch.load(path, map_location="cpu", weights_only=True)
     if not _same_run(json.loads(state["config"]), config):
-        raise ValueError(f"{path} holds the progress of a different run; remove it to start afresh")
+        raise ValueError(
+            f"{path} holds the progress of a different run; remove it to start afresh (a run on the "
+            "embedded defaults resumes only under the release that wrote it: pass its --config)"
+        )
     for worker, saved, rotation in zip(pipe.workers, state["stages"], state["rotations"], strict=True):
         # the same run (checked above); its configuration may have gained sections since
         saved["config_hash"] = config_hash(worker.config)
