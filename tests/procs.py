@@ -105,7 +105,8 @@ def tiny_run(folder: Path, steps: int, n_stages: int = 2, checkpoint_interval: i
     (folder / "corpus.txt").write_text(CORPUS)
     return RunConfig(
         model=dataclasses.replace(MODEL_PRESETS["tiny"]),
-        train=TrainConfig(steps=steps, batch_size=4, seq_len=32, microbatches=2, warmup_steps=2),
+        # lr: the default these multi-process tests' thresholds were set at (the default is 2e-3 since)
+        train=TrainConfig(steps=steps, batch_size=4, seq_len=32, microbatches=2, warmup_steps=2, lr=3e-3),
         data=DataConfig(source=str(folder / "corpus.txt"), tokenizer="byte"),
         checkpoint=CheckpointConfig(interval=checkpoint_interval),
         n_stages=n_stages,

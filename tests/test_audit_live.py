@@ -22,7 +22,7 @@ def audited_run(folder: Path) -> RunConfig:
     audit must recompute with the basis the step ran under)."""
     config = tiny_run(folder, STEPS, n_stages=2, checkpoint_interval=4)
     config.train = TrainConfig(
-        steps=STEPS, batch_size=6, seq_len=32, microbatches=6, warmup_steps=2, replicas=3
+        steps=STEPS, batch_size=6, seq_len=32, microbatches=6, warmup_steps=2, replicas=3, lr=3e-3
     )
     config.emulation = EmulationConfig(slow_stage=1, slowdown=4.0)
     config.audit = AuditConfig(rate=1.0)

@@ -69,7 +69,14 @@ def replica_run(folder: Path, schedule: str) -> RunConfig:
     replicas also sum their boundary statistics)."""
     config = tiny_run(folder, STEPS, n_stages=2, checkpoint_interval=10)
     config.train = TrainConfig(
-        steps=STEPS, batch_size=8, seq_len=32, microbatches=4, warmup_steps=2, replicas=2, schedule=schedule
+        steps=STEPS,
+        batch_size=8,
+        seq_len=32,
+        microbatches=4,
+        warmup_steps=2,
+        replicas=2,
+        schedule=schedule,
+        lr=3e-3,  # tiny_run's
     )
     config.rotation = RotationConfig(interval=5, max_angle=0.1)
     return RunConfig.from_dict(config.to_dict())  # validated
