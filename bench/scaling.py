@@ -330,9 +330,10 @@ def run(
                     grid.loss(d, method, lr, par, seed)
     return {
         "plan": dataclasses.asdict(plan),
-        "tuned": [
+        "tuned": [  # those whose sweep ran (a cached-only report leaves the others at lr_start)
             {"parametrisation": p, "kind": k, "rank": r, "optimizer": o, "lr": lr}
             for (p, k, r, o), lr in tuned.items()
+            if (base, Method(k, r, o).name, p) in grid.swept
         ],
         "transfer": transfer,
         "runs": grid.results,
