@@ -353,7 +353,8 @@ def table(
     a row of its own marked ``probe``: loss at equal steps (the mean over the seeds run at that lr),
     gap to dense over the seeds both ran (their summed losses), each seed's gap, and the steps the
     base seed's run needs to reach dense's final loss. Dense is the best dense run at that width
-    under either parametrisation (each side at its own best hyperparameters)."""
+    with the same optimizer (any, where dense did not run with it) under either parametrisation
+    (each side at its own best hyperparameters)."""
 
     def is_probe(r: dict) -> bool:
         point = (r["d"], r["method"], r["parametrisation"])
@@ -393,7 +394,8 @@ def table(
     for key, r in sorted(best.items(), key=order):
         d, par, name = key[:3]
         denses = [x for k, x in best.items() if k[0] == d and len(k) == 3 and x["kind"] == "dense"]
-        dense = min(denses, key=mean, default=None)  # the best dense on the rule, any optimizer
+        same = [x for x in denses if x["optimizer"] == r["optimizer"]]
+        dense = min(same or denses, key=mean, default=None)  # the best dense on the rule, same optimizer
         row = {
             "d": d,
             "parametrisation": par,
@@ -497,7 +499,9 @@ def full(
         [
             r
             for r in result["runs"]
-            if r["seed"] == plan.seed and (r["d"], r["parametrisation"], r["method"], r["lr"]) in chosen
+            if r["seed"] == plan.seed
+            and r["optimizer"] == plan.optimizers[0]  # one optimizer's law: the grid's first
+            and (r["d"], r["parametrisation"], r["method"], r["lr"]) in chosen
         ],
         plan.steps,
     )

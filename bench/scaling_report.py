@@ -52,9 +52,9 @@ def section(r: dict) -> list[str]:
         f"{s['plan']['n_layers']} layers in {s['plan']['n_stages']} stages, heads of 64, d_ff ~2.69 d; "
         f"learning rates tuned at d = {s['plan']['widths'][0]} on a factor-2 grid (best point interior; "
         "lrs within 2% of the best ranked on the mean of two seeds), then transferred. Gap: final "
-        "validation loss over the best dense run's at that width "
-        "(either parametrisation), each at its own best lr. Two runs differing only in seed end ~1% "
-        "apart, so a gap under ~2 points decides nothing on one seed: where a point was rerun with "
+        "validation loss over the best dense run's at that width with the same optimizer "
+        "(either parametrisation), each at its own best lr. Two runs differing only in seed often end "
+        "~1% apart, so a gap under ~2 points decides nothing on one seed: where a point was rerun with "
         "more seeds at the same lr, the gap is that of the mean losses, each seed's gap in brackets.",
         "",
         *(

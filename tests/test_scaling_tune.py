@@ -5,6 +5,8 @@ a loss surface so the rule is checked on known values; the trained grid runs in 
 import math
 from pathlib import Path
 
+import pytest
+
 from bench.scaling import (
     Grid,
     Method,
@@ -73,7 +75,25 @@ def test_cached_only_stops_at_the_first_missing_run() -> None:
 def _run(d: int, method: Method, lr: float, final: float, seed: int = 0, par: str = "mup") -> dict:
     curve = [[1, final + 1.0], [2, final]]
     point = {"d": d, "method": method.name, "kind": method.kind, "rank": method.rank, "lr": lr}
+    point |= {"optimizer": method.optimizer}
     return point | {"parametrisation": par, "seed": seed, "final": final, "curve": curve, "compression": 1}
+
+
+def test_a_gap_is_against_dense_with_the_same_optimizer() -> None:
+    """Muon lifts dense more than the subspace model: each is measured against its own optimizer's
+    dense; a method whose optimizer dense did not run with takes the best dense."""
+    runs = [
+        _run(64, Method("dense"), 0.004, 5.0),
+        _run(64, Method("dense", 0, "muon"), 0.004, 4.5),
+        _run(64, Method("subspace", 8), 0.002, 5.05),
+        _run(64, Method("subspace", 8, "muon"), 0.004, 4.75),
+        _run(64, Method("subspace", 8, "sgd"), 0.004, 4.95),
+    ]
+    gaps = {row["method"]: row["gap"] for row in table(runs, steps=2)}
+    assert gaps["subspace k=8"] == pytest.approx(0.01) and gaps["subspace k=8 + muon"] == pytest.approx(
+        0.0556, abs=1e-4
+    )
+    assert gaps["subspace k=8 + sgd"] == pytest.approx(4.95 / 4.5 - 1)
 
 
 def test_the_table_takes_the_tuned_lr_and_lists_probes_beside_the_rule() -> None:
