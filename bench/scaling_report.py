@@ -11,15 +11,21 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
 
-def best_gaps(table: list[dict]) -> dict[tuple[str, int, int], dict]:
-    """(kind, k, d) -> the table row of the lowest loss at that point under any parametrisation run
-    on the rule (probes are not)."""
-    best: dict[tuple[str, int, int], dict] = {}
+def best_gaps(table: list[dict]) -> dict[tuple[str, int], dict]:
+    """(method, d) -> the table row of the lowest loss at that point under any parametrisation run
+    on the rule (probes are not); a method names its optimizer unless it is AdamW."""
+    best: dict[tuple[str, int], dict] = {}
     for row in table:
-        key = (row["kind"], row["rank"], row["d"])
+        key = (row["method"], row["d"])
         if "gap" in row and not row.get("probe") and (key not in best or row["loss"] < best[key]["loss"]):
             best[key] = row
     return best
+
+
+def _methods(rows: list[dict], compressed: bool = True) -> list[str]:
+    """The rows' methods, by kind, rank and optimizer (without dense's when ``compressed``)."""
+    order = {r["method"]: (r["kind"], r["rank"], r["method"]) for r in rows}
+    return sorted((m for m, r in order.items() if not compressed or r[0] != "dense"), key=order.get)
 
 
 def _pct(x: float | None) -> str:
@@ -81,9 +87,9 @@ def section(r: dict) -> list[str]:
         "| method | " + " | ".join(f"d={d}" for d in widths) + " |",
         "|---|" + "---|" * len(widths),
     ]
-    for kind, k in sorted({(kind, k) for kind, k, _ in best if kind != "dense"}):
-        cells = [_gap_cell(best[(kind, k, d)]) if (kind, k, d) in best else "-" for d in widths]
-        out.append(f"| {kind} k={k} | " + " | ".join(cells) + " |")
+    for method in _methods(list(best.values())):
+        cells = [_gap_cell(best[(method, d)]) if (method, d) in best else "-" for d in widths]
+        out.append(f"| {method} | " + " | ".join(cells) + " |")
     out += ["", "The same per parametrisation:", "", *_per_parametrisation(s["table"], widths)]
     out += [
         "",
@@ -125,17 +131,19 @@ def section(r: dict) -> list[str]:
 
 def _per_parametrisation(table: list[dict], widths: list[int]) -> list[str]:
     """The gap table with a row per method and parametrisation (the rule's runs, no probes)."""
-    rows: dict[tuple[str, int, str], dict[int, dict]] = {}
-    for row in table:
-        if "gap" in row and not row.get("probe") and row["kind"] != "dense":
-            rows.setdefault((row["kind"], row["rank"], row["parametrisation"]), {})[row["d"]] = row
+    ruled = [row for row in table if "gap" in row and not row.get("probe") and row["kind"] != "dense"]
+    rows: dict[tuple[str, str], dict[int, dict]] = {}
+    for row in ruled:
+        rows.setdefault((row["method"], row["parametrisation"]), {})[row["d"]] = row
     lines = [
         "| method | parametrisation | " + " | ".join(f"d={d}" for d in widths) + " |",
         "|---|---|" + "---|" * len(widths),
     ]
-    for (kind, k, par), by_width in sorted(rows.items()):
-        cells = [_gap_cell(by_width[d]) if d in by_width else "-" for d in widths]
-        lines.append(f"| {kind} k={k} | {par} | " + " | ".join(cells) + " |")
+    for method in _methods(ruled):
+        for par in sorted(p for m, p in rows if m == method):
+            by_width = rows[(method, par)]
+            cells = [_gap_cell(by_width[d]) if d in by_width else "-" for d in widths]
+            lines.append(f"| {method} | {par} | " + " | ".join(cells) + " |")
     return [*lines, ""]
 
 
@@ -189,22 +197,21 @@ def plots(r: dict, out: Path) -> None:
         return
     s = r["scaling"]
     best = best_gaps(s["table"])
-    widths = sorted({d for _, _, d in best})
-    methods = sorted({(kind, k) for kind, k, _ in best})
+    widths = sorted({d for _, d in best})
     fig, (loss_ax, heat_ax, coord_ax) = plt.subplots(1, 3, figsize=(18, 5))
-    for kind, k in methods:
-        xs = [d for d in widths if (kind, k, d) in best]
-        loss_ax.plot(xs, [best[(kind, k, d)]["loss"] for d in xs], marker="o", label=f"{kind} k={k}")
+    for method in _methods(list(best.values()), compressed=False):
+        xs = [d for d in widths if (method, d) in best]
+        loss_ax.plot(xs, [best[(method, d)]["loss"] for d in xs], marker="o", label=method)
     loss_ax.set_xscale("log", base=2)
     loss_ax.set_xlabel("d_model")
     loss_ax.set_ylabel("final validation loss (best lr)")
     loss_ax.legend(fontsize=7)
-    compressed = [m for m in methods if m[0] != "dense"]
-    grid = [[best[(*m, d)]["gap"] * 100 if (*m, d) in best else math.nan for d in widths] for m in compressed]
+    compressed = _methods(list(best.values()))
+    grid = [[best[(m, d)]["gap"] * 100 if (m, d) in best else math.nan for d in widths] for m in compressed]
     if compressed:
         image = heat_ax.imshow(grid, cmap="RdYlGn_r", vmin=-5, vmax=10, aspect="auto")
         heat_ax.set_xticks(range(len(widths)), [str(d) for d in widths])
-        heat_ax.set_yticks(range(len(compressed)), [f"{kind} k={k}" for kind, k in compressed], fontsize=7)
+        heat_ax.set_yticks(range(len(compressed)), compressed, fontsize=7)
         for i, row in enumerate(grid):
             for j, v in enumerate(row):
                 if math.isfinite(v):

@@ -115,7 +115,7 @@ def test_the_table_takes_the_tuned_lr_and_lists_probes_beside_the_rule() -> None
     ]
     assert math.isclose(rows[2]["gap"], 5.1 / 5.0 - 1)
     best = best_gaps(rows)  # the heatmap: the rule's runs only
-    assert math.isclose(best[("subspace", 8, 64)]["gap"], 5.3 / 5.0 - 1)
+    assert math.isclose(best[("subspace k=8", 64)]["gap"], 5.3 / 5.0 - 1)
 
 
 def test_a_probe_is_read_from_the_command_line() -> None:
