@@ -77,12 +77,12 @@ class GapLaw:
         a, b, c, e = self.coef
         return a + b * math.log(k) + c * math.log(d) + e * math.log(steps)
 
-    def point(self, k: int, model: ModelConfig, steps: int) -> Measured | None:
-        """The measured grid point at this rank and the model's width, if the bench ran it for
-        ``steps`` steps on a model of this depth and vocabulary."""
+    def points(self, model: ModelConfig, steps: int) -> dict[int, Measured]:
+        """Rank -> the grid point measured at the model's width, if the bench ran ``steps`` steps on
+        a model of this depth and vocabulary (else none)."""
         if (model.n_layers, model.vocab_size, steps) != (self.layers, self.vocab, self.steps):
-            return None
-        return next((m for m in self.measured if (m.rank, m.d) == (k, model.d_model)), None)
+            return {}
+        return {m.rank: m for m in self.measured if m.d == model.d_model}
 
     @classmethod
     def load(cls, path: str | Path) -> GapLaw:
@@ -171,12 +171,12 @@ def plan(
     d = model.d_model
     dense_tps = tokens_per_second(model, profile, link, n_stages, microbatches, microbatch_tokens, 0)
     out = [Candidate("dense bf16", 0, dense_tps, 0.0, 0.0, 1.0, 1.0)]
-    measured_ranks = [m.rank for m in law.measured if law.point(m.rank, model, steps)]
-    for k in sorted(set(ranks) | set(measured_ranks)):
+    points = law.points(model, steps)
+    for k in sorted(set(ranks) | set(points)):
         if not 0 < k < d:
             continue
         tps = tokens_per_second(model, profile, link, n_stages, microbatches, microbatch_tokens, k)
-        point = law.point(k, model, steps)
+        point = points.get(k)
         if point:
             gap, uncertainty = point.gap, point.uncertainty
         else:
