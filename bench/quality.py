@@ -23,11 +23,13 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import math
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench import lr_search
 from bench.throughput import Link, attempt, resolve_shaper
 from swarm.codecs.base import PayloadError
 from swarm.core.config import (
@@ -72,6 +74,11 @@ class QualityPlan:
     links: list[Link]
     eval_batches: int = 16
     timing_train: TrainConfig | None = None  # the swarm runs that measure step times (None: no timing)
+    # tune: every variant at its own best lr (bench.lr_search's rule, from train.lr; variants whose
+    # layers write at full rank from dense_lr when given), lrs one seed cannot rank with tie_seed too
+    tune: bool = False
+    dense_lr: float | None = None
+    tie_seed: int | None = 1
     shaper: str = "netns"
     paper_profile: str = "h200-2b-8layer-mb512"  # a bundled profile name or a JSON path
 
@@ -239,7 +246,8 @@ def run(
     interrupted section (an hour on a CPU) resumes where it stopped and a changed variant reruns."""
     chosen = _pick(variants(plan.model, plan.n_stages), plan.variants)
     profile = load_profile(plan.paper_profile)
-    runs = [(v, curve(v, plan, dataset, cache, progress)) for v in chosen]
+    measure = tuned_curve if plan.tune else curve
+    runs = [(v, measure(v, plan, dataset, cache, progress)) for v in chosen]
     diverged = [row for _, row in runs if "diverged" in row]
     runs = [(v, row) for v, row in runs if "diverged" not in row]
     rows = [row for _, row in runs]
@@ -296,17 +304,32 @@ def run_key(config: RunConfig, eval_batches: int) -> str:
 
 
 def curve(
-    v: Variant, plan: QualityPlan, dataset: TokenDataset, cache: Path | None, progress: Callable[[str], None]
+    v: Variant,
+    plan: QualityPlan,
+    dataset: TokenDataset,
+    cache: Path | None,
+    progress: Callable[[str], None],
+    lr: float | None = None,
+    seed: int | None = None,
 ) -> dict:
     """One variant's training run and validation curve (from ``cache`` when it holds this exact run;
-    a run interrupted part way continues from its last evaluation, kept beside the cache entry)."""
-    config = v.config(plan.train, plan.n_stages)
+    a run interrupted part way continues from its last evaluation, kept beside the cache entry).
+    ``lr``, ``seed``: instead of the plan's."""
+    train_cfg = dataclasses.replace(
+        plan.train, lr=plan.train.lr if lr is None else lr, seed=plan.train.seed if seed is None else seed
+    )
+    config = v.config(train_cfg, plan.n_stages)
     key = run_key(config, plan.eval_batches)
+    label = (
+        v.name
+        + (f" at lr {lr:.3g}" if lr is not None else "")
+        + (f" seed {seed}" if seed not in (None, plan.train.seed) else "")
+    )
     saved = cache / f"{key}.json" if cache is not None else None
     if saved is not None and saved.exists():
-        progress(f"quality: {v.name} from {saved}")
+        progress(f"quality: {label} from {saved}")
         return json.loads(saved.read_text())
-    progress(f"quality: training {v.name}")
+    progress(f"quality: training {label}")
     try:
         resume = saved.with_suffix(".progress.pt") if saved is not None else None
         s = train(config, "auto", dataset, False, eval_batches=plan.eval_batches, resume=resume)
@@ -318,6 +341,25 @@ def curve(
         saved.parent.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(row))
     return json.loads(json.dumps(row))  # the same types whether trained now or read back
+
+
+def tuned_curve(
+    v: Variant, plan: QualityPlan, dataset: TokenDataset, cache: Path | None, progress: Callable[[str], None]
+) -> dict:
+    """``v``'s row at its best lr by :func:`bench.lr_search.search` (the plan seed's curve), with
+    ``lr`` and ``lr_sweep`` (lr -> the score it was ranked on: a two-seed mean where one seed could
+    not rank it). The sweep starts at ``plan.dense_lr`` for models whose layers write at full rank."""
+    rows: dict[tuple[float, int], dict] = {}
+
+    def loss(lr: float, seed: int) -> float:
+        rows[lr, seed] = curve(v, plan, dataset, cache, progress, lr, seed)
+        return rows[lr, seed].get("final_val_loss", math.inf)
+
+    full_rank = not v.model.constrained
+    start = plan.dense_lr if full_rank and plan.dense_lr is not None else plan.train.lr
+    best, scores = lr_search.search(loss, start, plan.train.seed, plan.tie_seed)
+    sweep = {f"{lr:.3g}": score for lr, score in sorted(scores.items())}
+    return rows[best, plan.train.seed] | {"lr": best, "lr_sweep": sweep}
 
 
 def _trained_row(v: Variant, config: RunConfig, s: TrainSummary) -> dict:

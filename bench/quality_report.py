@@ -59,11 +59,23 @@ def section(r: dict) -> list[str]:
         ratios = " / ".join(_ratio(t[f]["steps_vs_dense"]) for f in ("0.25", "0.5", "1.0"))
         curve = row["val_curve"]
         out.append(
-            f"| {row['variant']} | {row['parameters'] / 1e6:.2f}M | {row['wire_B_per_token']:.1f} "
+            f"| {_name(row)} | {row['parameters'] / 1e6:.2f}M | {row['wire_B_per_token']:.1f} "
             f"| {row['compression_vs_dense_bf16']:.0f}x | {loss_at(curve, mid):.3f} | {_gap(gaps, mid)} "
             f"| {loss_at(curve, end):.3f} | {_gap(gaps, end)} | {row['gap_trend']} | {reached} | {ratios} "
             f"| {_off(row.get('off_subspace_curve'))} |"
         )
+    swept = [row for row in rows if row.get("lr_sweep")]
+    if swept:
+        sweeps = "; ".join(
+            f"{row['variant']}: " + ", ".join(f"{lr}: {loss:.3f}" for lr, loss in row["lr_sweep"].items())
+            for row in swept
+        )
+        out += [
+            "",
+            "Each variant at its own learning rate: the best of a factor-2 sweep extended until the best "
+            "has worse neighbours (`bench/lr_search.py`; lrs within 2% of the best ranked on two seeds' "
+            f"mean). Final losses per lr: {sweeps}.",
+        ]
     levers = [row for row in rows if row["lever"]]
     if levers:
         out += ["", "Levers: " + "; ".join(f"{row['variant']}: {row['lever']}" for row in levers) + "."]
@@ -87,6 +99,11 @@ def section(r: dict) -> list[str]:
         out.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
     note = "(each cell: to the 50% / the 100% target; in parentheses: how much sooner than dense)"
     return [*out, "", note, ""]
+
+
+def _name(row: dict) -> str:
+    """The variant's name, with the lr it was tuned to where it was."""
+    return f"{row['variant']} (lr {row['lr']:.3g})" if "lr" in row else row["variant"]
 
 
 def _time_to(target: dict, link: str, setting: str) -> str:

@@ -142,6 +142,9 @@ def plan(quick: bool) -> BenchPlan:
                 variants=["dense bf16", "subspace k=8", "subspace k=1 + full-rank last stage"],
                 links=[Link("80 Mbit/s, 50 ms RTT", 80, 25)],
                 eval_batches=2,
+                tune=True,
+                dense_lr=2e-2,
+                tie_seed=None,
                 timing_train=TrainConfig(steps=4, batch_size=4, seq_len=32, microbatches=2),
                 shaper="transport",
             ),
@@ -235,31 +238,33 @@ def plan(quick: bool) -> BenchPlan:
         wan_replicas=wan_replicas.WanReplicaPlan(
             small, TrainConfig(steps=60, batch_size=8, seq_len=128, microbatches=2)
         ),
-        quality=quality.QualityPlan(
-            small,
+        quality=quality.QualityPlan(  # the product's model (mup-anchored), every variant at its own lr
+            MODEL_PRESETS["small"],
             TrainConfig(
-                steps=1000, batch_size=8, seq_len=128, microbatches=2, lr=3e-3, warmup_steps=20, eval_every=50
+                steps=1000, batch_size=8, seq_len=128, microbatches=2, lr=2e-3, warmup_steps=20, eval_every=50
             ),
             n_stages=4,
             variants=[  # the most telling first: an interrupted run still answers the question
                 "dense bf16",
+                "subspace k=8",
                 "subspace k=4",
                 "subspace k=2",
-                "subspace k=8",
+                "subspace k=32",
                 "subspace k=4, bottleneck at boundaries only",
+                "MAPL r=8, Adam + PCA init",
+                "top-k (~30x)",
+                "subspace k=12 int4/block",
+                "subspace k=8 int8/token",
                 "subspace k=4 + full-rank last stage",
                 "subspace k=4 + parameter-matched FFN",
                 "subspace k=4 + rotation",
                 "subspace k=2->4 growing",
                 "subspace k=4->8 growing",
-                "subspace k=12 int4/block",
-                "subspace k=8 int8/token",
-                "subspace k=32",
                 "MAPL r=8",
                 "MAPL r=8 + Riemannian Adam",
-                "MAPL r=8, Adam + PCA init",
-                "top-k (~30x)",
             ],
+            tune=True,
+            dense_lr=4e-3,  # the scaling grid's dense optimum at d=128 (the subspace model's: 2e-3)
             links=[Link("80 Mbit/s, 50 ms RTT", 80, 25), Link("200 Mbit/s, 50 ms RTT", 200, 25)],
             timing_train=TrainConfig(steps=6, batch_size=8, seq_len=128, microbatches=2),
         ),

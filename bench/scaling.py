@@ -42,13 +42,12 @@ from pathlib import Path
 
 import torch
 
-from bench import coordinate_check, scaling_law, scaling_report
+from bench import coordinate_check, lr_search, scaling_law, scaling_report
+from bench.lr_search import LR_FACTOR
 from bench.quality import QualityPlan, Variant, curve, loss_at, run_key, steps_to
 from swarm.core.config import CodecConfig, ModelConfig, RunConfig, TrainConfig
 from swarm.io.data import TokenDataset, load_dataset
 
-LR_FACTOR = 2.0  # the spacing of the learning-rate grid
-SEED_NOISE = 0.02  # two seeds of one variant end ~1% apart: closer lrs need a second seed
 TIED = 0.01  # lrs whose scores differ by less than this are level within the seed noise
 
 
@@ -218,44 +217,20 @@ class Grid:
         return entry["final"]
 
     def tune(self, d: int, method: Method, parametrisation: str, start: float | None = None) -> float:
-        """The best lr on the factor-2 grid around ``start`` (the plan's ``lr_start``), extended
-        until the best point has worse neighbours: first on the plan's seed, then with the points
-        within ``SEED_NOISE`` of the best ranked on its mean with ``tie_seed`` (one seed cannot)."""
+        """The best lr of :func:`bench.lr_search.search` around ``start`` (the plan's ``lr_start``),
+        ties ranked with the plan's ``tie_seed``."""
         start = self.plan.lr_start if start is None else start
-        lrs = {start / LR_FACTOR, start, start * LR_FACTOR}
-        for tie in (False, True):
-            while True:
-                scores = self.scores(d, method, parametrisation, sorted(lrs), tie)
-                if not scores:
-                    return start
-                best = min(scores, key=scores.get)
-                lower, upper = best / LR_FACTOR, best * LR_FACTOR
-                missing = {lr for lr in (lower, upper) if not any(math.isclose(lr, x) for x in lrs)}
-                if not missing or (self.cached_only and len(scores) < len(lrs)):
-                    break
-                lrs |= missing
-        self.chosen[(d, method.name, parametrisation)] = best
-        self.swept[(d, method.name, parametrisation)] = scores
+        best, scores = lr_search.search(
+            lambda lr, seed: self.loss(d, method, lr, parametrisation, seed),
+            start,
+            self.plan.seed,
+            self.plan.tie_seed,
+            partial=self.cached_only,
+        )
+        if scores:
+            self.chosen[(d, method.name, parametrisation)] = best
+            self.swept[(d, method.name, parametrisation)] = scores
         return best
-
-    def scores(
-        self, d: int, method: Method, parametrisation: str, lrs: list[float], tie: bool = True
-    ) -> dict[float, float]:
-        """lr -> the plan seed's final loss, or (``tie``) the mean with ``tie_seed``'s where it is
-        within ``SEED_NOISE`` of the best; lrs not run (``cached_only``) are left out."""
-        first = {lr: self.loss(d, method, lr, parametrisation) for lr in lrs}
-        first = {lr: x for lr, x in first.items() if not math.isnan(x)}
-        if not first:
-            return {}
-        floor = min(first.values())
-        close = [lr for lr, x in first.items() if math.isfinite(x) and x <= floor * (1 + SEED_NOISE)]
-        if not tie or len(close) < 2:
-            return first
-        for lr in close:
-            second = self.loss(d, method, lr, parametrisation, self.plan.tie_seed)
-            if not math.isnan(second):
-                first[lr] = (first[lr] + second) / 2
-        return first
 
     def best_lr(self, d: int, method: Method, default: float, parametrisation: str = "mup") -> float:
         """The lr :meth:`tune` chose for ``method`` at width ``d`` under ``parametrisation``, else

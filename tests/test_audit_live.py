@@ -13,7 +13,7 @@ from swarm.ops.status import render
 from tests.procs import coordinator, node, processes, tiny_run, wait_for_nodes, wait_status
 from tests.test_replicas import single_process_losses
 
-STEPS = 24
+STEPS = 40  # the last replica joins ~13 steps in: the rest is the window it must join in
 
 
 def audited_run(folder: Path) -> RunConfig:
@@ -46,13 +46,18 @@ def run_four(tmp_path: Path, config: RunConfig, names: list[str], fault: str):
                 hosting = wait_status(address, lambda r, n=name: _hosts(r, n), f"{name} hosting", 120)
                 done = hosting.steps_completed
                 wait_status(address, lambda r, d=done: r.steps_completed >= d + 2, "two more steps", 120)
+        last = names[-1]
+        joined = wait_status(address, lambda r: _hosts(r, last) or r.run_complete, f"{last} hosting", 120)
+        assert not joined.run_complete, (
+            f"the run ended before {last} joined it: too slow a machine for {STEPS} steps"
+        )
         final = wait_status(address, lambda r: r.run_complete, "the run to complete", 300)
         for name in set(names) - {faulty}:
             assert started[name].wait(60) == 0, started[name].output()
         coordinator_log = procs[0].stderr()
     hosts = {n.node_name: list(n.last_stages) for n in final.nodes if n.node_name != faulty}
     honest = [n for n in names if n != faulty]
-    assert hosts == {honest[0]: [0], honest[1]: [1], honest[2]: [1]}, hosts
+    assert hosts == {honest[0]: [0], honest[1]: [1], honest[2]: [1]}, (hosts, coordinator_log[-4000:])
     (faulty_id,) = [n.node_id for n in final.nodes if n.node_name == faulty]
     # rolled back (or not) as it should, every step ends as the single-process model's: the
     # replicas' step-mode average is the global batch's, whoever hosts

@@ -17,6 +17,7 @@ from bench.quality import (
     parameter_count,
     run_key,
     steps_to,
+    tuned_curve,
     variants,
 )
 from bench.scaling import Method, full_plan, run_variant
@@ -101,3 +102,27 @@ def test_cache_keys_outlive_a_changed_default():
         variant, quality_plan = run_variant(plan, 128, method, lr, parametrisation, plan.seed)
         key = run_key(variant.config(quality_plan.train, quality_plan.n_stages), quality_plan.eval_batches)
         assert (CACHE / f"{key}.json").exists(), variant.name
+
+
+def test_a_tuned_variant_is_reported_at_its_best_lr_of_a_sweep_that_ends_interior(tmp_path):
+    """Tuning trains the variant at lrs a factor 2 apart until the best one has worse neighbours on
+    both sides, and the row is that lr's run (its cached curve), with the sweep it was chosen on."""
+    model = MODEL_PRESETS["tiny"]
+    train = TrainConfig(
+        steps=6, batch_size=4, seq_len=32, microbatches=2, lr=0.1, warmup_steps=1, eval_every=3
+    )
+    plan = QualityPlan(model, train, 2, ["subspace k=8"], [], eval_batches=1, tune=True, tie_seed=None)
+    (variant,) = [v for v in variants(model, 2) if v.name == "subspace k=8"]
+    dataset = load_dataset(RunConfig(model=model, train=train, n_stages=1))
+    row = tuned_curve(variant, plan, dataset, tmp_path, lambda _: None)
+    sweep = {float(lr): loss for lr, loss in row["lr_sweep"].items()}
+    best = min(sweep, key=sweep.get)
+    assert row["lr"] == pytest.approx(best)
+    assert any(lr == pytest.approx(best / 2) for lr in sweep) and any(
+        lr == pytest.approx(best * 2) for lr in sweep
+    )
+    assert len(sweep) >= 3 and len(list(tmp_path.glob("*.json"))) == len(sweep)  # one cached run per lr
+    assert row["final_val_loss"] == sweep[best]
+    assert (
+        curve(variant, plan, dataset, tmp_path, lambda _: None, lr=row["lr"])["val_curve"] == row["val_curve"]
+    )
