@@ -30,12 +30,33 @@ class Point:
     gap: float
 
 
+def seed_means(runs: list[dict]) -> list[dict]:
+    """The runs with every seed of one configuration (width, kind, rank, parametrisation, lr) merged
+    into one: its curve and final loss the seeds' means (a single seed's gap can be off by several
+    points; the mean halves that). Diverged runs are left out."""
+    groups: dict[
+        tuple, dict[int, dict]
+    ] = {}  # configuration -> seed -> its run (a run listed twice counts once)
+    for r in (r for r in runs if r["curve"] and math.isfinite(r["final"])):
+        groups.setdefault((r["d"], r["kind"], r["rank"], r["parametrisation"], r["lr"]), {})[r["seed"]] = r
+    merged = []
+    for by_seed in groups.values():
+        same = list(by_seed.values())
+        steps = [s for s, _ in same[0]["curve"]]
+        if any([s for s, _ in r["curve"]] != steps for r in same):  # an unfinished seed: the first alone
+            same = same[:1]
+        curve = [[s, sum(r["curve"][i][1] for r in same) / len(same)] for i, s in enumerate(steps)]
+        merged.append(same[0] | {"curve": curve, "final": sum(r["final"] for r in same) / len(same)})
+    return merged
+
+
 def points(runs: list[dict], kind: str = "subspace") -> list[Point]:
-    """Every evaluation of the ``kind`` runs, each grid point (d, k) at its best final loss under
-    either parametrisation, against the best dense run of its width at the same step."""
+    """Every evaluation of the ``kind`` runs (seeds merged: :func:`seed_means`), each grid point
+    (d, k) at its best final loss under either parametrisation, against the best dense run of its
+    width at the same step."""
     best: dict[tuple[int, int], dict] = {}
-    for r in runs:
-        if r["kind"] not in (kind, "dense") or not r["curve"] or not math.isfinite(r["final"]):
+    for r in seed_means(runs):
+        if r["kind"] not in (kind, "dense"):
             continue
         key = (r["d"], r["rank"] if r["kind"] == kind else 0)
         if key not in best or r["final"] < best[key]["final"]:
@@ -104,9 +125,9 @@ def check(pts: list[Point]) -> tuple[Law, list[dict]]:
 
 def dense_exponent(runs: list[dict]) -> float:
     """Dense's ``alpha`` in loss ~ steps^-alpha from ``MIN_STEP`` on, averaged over its widths (each
-    width's best dense run)."""
+    width's best dense run, seeds merged)."""
     best: dict[int, dict] = {}
-    for r in runs:
+    for r in seed_means(runs):
         if r["kind"] == "dense" and r["curve"] and (r["d"] not in best or r["final"] < best[r["d"]]["final"]):
             best[r["d"]] = r
     slopes = []
