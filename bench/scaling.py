@@ -377,6 +377,7 @@ def table(
             "method": name,
             "kind": r["kind"],
             "rank": r["rank"],
+            "optimizer": r["optimizer"],
             "lr": r["lr"],
             "probe": len(key) > 3,
             "loss": mean(r),
@@ -385,6 +386,7 @@ def table(
         }
         if dense is not None and r["curve"]:
             both = sorted(set(seeds(r)) & set(seeds(dense)))  # the gap compares the same seeds
+            row["dense_optimizer"] = dense["optimizer"]
             row["seed_gaps"] = [seeds(r)[s] / seeds(dense)[s] - 1 for s in both]
             row["gap"] = (
                 sum(seeds(r)[s] for s in both) / sum(seeds(dense)[s] for s in both) - 1
@@ -481,31 +483,38 @@ def full(
     )
     if "coef" in result["law"]:
         shape = {"n_layers": plan.n_layers, "vocab_size": plan.vocab_size}
-        result["law"] |= {"steps": plan.steps, "shape": shape, "measured": measured_points(result["table"])}
+        measured = measured_points(result["table"])
+        result["law"] |= {
+            "steps": plan.steps,
+            "shape": shape,
+            "optimizer": plan.optimizers[0],
+            "measured": measured,
+        }
     return result
 
 
 def measured_points(table: list[dict]) -> list[dict]:
-    """Per width and rank, the subspace model's row on the rule with the smallest gap (any
-    parametrisation; AdamW, the optimizer the lrs are for): what ``swarm plan`` quotes at the widths
-    the grid ran instead of the law. Diverged rows (no gap) are left out."""
-    best: dict[tuple[int, int], dict] = {}
+    """Per width, rank and optimizer, the subspace model's row on the rule with the smallest gap
+    (any parametrisation; against dense with that optimizer, where it ran): what ``swarm plan``
+    quotes at the widths the grid ran instead of the law. Diverged rows (no gap) are left out."""
+    best: dict[tuple[int, int, str], dict] = {}
     for row in table:
-        if row["method"] != f"subspace k={row['rank']}" or row["probe"] or row.get("gap") is None:
-            continue
-        key = (row["d"], row["rank"])
+        if row["kind"] != "subspace" or row["probe"] or row.get("dense_optimizer") != row["optimizer"]:
+            continue  # a probe, a diverged row (no gap), or one measured against another optimizer's dense
+        key = (row["d"], row["rank"], row["optimizer"])
         if key not in best or row["gap"] < best[key]["gap"]:
             best[key] = row
     return [
         {
             "d": d,
             "rank": k,
+            "optimizer": optimizer,
             "parametrisation": row["parametrisation"],
             "lr": row["lr"],
             "gap": row["gap"],
             "seed_gaps": row["seed_gaps"],
         }
-        for (d, k), row in sorted(best.items())
+        for (d, k, optimizer), row in sorted(best.items())
     ]
 
 

@@ -391,13 +391,20 @@ def cmd_plan(args: argparse.Namespace) -> int:
         args.microbatches,
         args.microbatch_tokens,
         args.steps,
+        args.optimizer,
     )
     best = plan.recommend(candidates, args.max_gap)
     print(
         f"{args.preset} (d={model.d_model}, {model.n_layers} layers) in {args.stages} stages on "
         f"{args.mbps:g} Mbit/s, {args.rtt_ms:g} ms RTT, compute {args.profile}; "
-        f"{args.microbatches} microbatches of {args.microbatch_tokens} tokens (GPipe)"
+        f"{args.microbatches} microbatches of {args.microbatch_tokens} tokens (GPipe); {args.optimizer}"
     )
+    if args.optimizer != law.optimizer:
+        print(
+            f"the law was fitted on {law.optimizer} runs: with {args.optimizer} only the ranks the grid "
+            f"measured with it at d={model.d_model} are candidates "
+            f"({len(candidates) - 1} here; gaps against dense on {args.optimizer})"
+        )
     print(f"{'method':<20} {'tokens/s':>10} {'gap':>16} {'':<9} {'steps to dense loss':>20} {'sooner':>8}")
     for c in candidates:
         gap = "0" if c.rank == 0 else f"{100 * c.gap:+.1f}% ± {100 * c.uncertainty:.1f}"
@@ -411,7 +418,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         m = best.measured
         print(
             f"recommended settings (measured at d={m.d}, {len(m.seed_gaps)} seed(s)): model.subspace_rank = "
-            f"{m.rank}, model.parametrisation = {m.parametrisation!r}, train.lr = {m.lr:g}"
+            f"{m.rank}, model.parametrisation = {m.parametrisation!r}, train.optimizer = {m.optimizer!r}, "
+            f"train.lr = {m.lr:g}"
         )
     print(
         f"An estimate: gaps are the scaling bench's ({law.source}): measured at its widths, else its "
@@ -422,6 +430,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def add_plan_parser(sub: argparse._SubParsersAction) -> None:
+    from swarm.core.config import OPTIMIZERS
     from swarm.core.plan import DEFAULT_LAW
 
     p = sub.add_parser("plan", help="estimate tokens/s, quality gap and time to dense's loss per boundary")
@@ -439,6 +448,12 @@ def add_plan_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--steps", type=int, default=1000, help="the horizon the gap is predicted at")
     p.add_argument("--max-gap", type=float, default=0.03, help="the largest predicted gap accepted")
+    p.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=OPTIMIZERS,
+        help="the layers' optimizer, for dense and the candidates alike (the law is AdamW's)",
+    )
     p.add_argument("--law", default=str(DEFAULT_LAW), help="a law file or a scaling bench result")
     p.set_defaults(func=cmd_plan)
 

@@ -80,6 +80,20 @@ def test_a_measured_point_replaces_the_law_at_its_width_only():
     assert all(r.measured is None for r in plan(other_vocab, PROFILE, Link(100.0, 40.0), law, [16], 2))
 
 
+def test_another_optimizer_than_the_laws_takes_only_its_own_measured_points():
+    """Gaps are against dense with the same optimizer: a Muon point never stands in for AdamW's, and
+    with Muon (no law fitted on it) the law's ranks are no candidates."""
+    adamw = Measured(1024, 16, "mup-anchored", 0.001, -0.01, (-0.01, -0.01))
+    muon = Measured(1024, 16, "mup-anchored", 0.004, 0.06, (0.05, 0.07), "muon")
+    law = GapLaw(LAW.coef, 0.01, 0.1, "by hand", (adamw, muon), 1000, layers=4, vocab=256)
+    rows = plan(model(4), PROFILE, Link(100.0, 40.0), law, [32], n_stages=2)
+    assert [(r.rank, r.measured) for r in rows] == [(0, None), (16, adamw), (32, None)]
+    rows = plan(model(4), PROFILE, Link(100.0, 40.0), law, [32], n_stages=2, optimizer="muon")
+    assert [(r.rank, r.measured) for r in rows] == [(0, None), (16, muon)]
+    assert rows[1].gap == 0.06 and rows[1].uncertainty == pytest.approx(0.01)
+    assert recommend(rows, 0.03).rank == 0  # +6% is beyond the accepted gap: dense
+
+
 def test_the_embedded_default_run_is_the_plans_recommendation_for_its_width():
     """`make run` (RunConfig's defaults) trains what `swarm plan --preset small --stages 4` recommends
     with its other defaults (link, profile, ranks, the grid's horizon) from the shipped law: the
@@ -119,6 +133,11 @@ def test_the_command_prints_every_candidate_and_one_recommendation(tmp_path, cap
     out = capsys.readouterr().out
     assert "subspace k=32 bf16" in out and "-5.0% ± 2.0 measured" in out
     assert "(measured at d=4096, 1 seed(s)): model.subspace_rank = 32, model.parametrisation = 'mup'" in out
+    assert "train.optimizer = 'adamw'" in out
+    assert main(["plan", "--ranks", "40,80", "--law", str(law), "--optimizer", "muon"]) == 0
+    out = capsys.readouterr().out  # no muon point, no muon law: dense alone
+    assert "only the ranks the grid measured with it at d=4096 are candidates (0 here" in out
+    assert [line.split()[0] for line in out.splitlines()[3:-1]] == ["dense"]
     law.write_text(json.dumps({"law": {"error": "one rank: no law"}}))
     assert main(["plan", "--law", str(law)]) != 0
     assert "no fitted law (one rank: no law)" in capsys.readouterr().err

@@ -6,9 +6,10 @@ stages (GPipe, a flush per step):
 * **tokens/s**: per microbatch each stage's compute (a :class:`~swarm.core.profiles.ComputeProfile`)
   or its boundary's transfer, whichever is slower, ``M + P - 1`` slots per phase plus one round trip
   through the ``P - 1`` hops (the ``paper_scale`` bench's bound);
-* **gap** to dense at equal steps: measured, where the ``scaling`` bench ran that width and rank on a
-  model of that depth and vocabulary (its best parametrisation there, with the lr it ran at, the
-  uncertainty its seeds allow); else predicted
+* **gap** to dense at equal steps, both with one optimizer (``--optimizer``): measured, where the
+  ``scaling`` bench ran that width and rank with it on a model of that depth and vocabulary (its
+  best parametrisation there, with the lr it ran at, the uncertainty its seeds allow); else, for
+  the optimizer the law was fitted on (AdamW), predicted
   by the bench's law ``a + b ln k + c ln d + e ln s`` with its uncertainty (an extrapolation far
   beyond the widths it was fitted on: labelled so);
 * **time to dense's final loss**: a run that ends ``g`` above dense needs ``(1 + g)^(1/alpha)`` times
@@ -40,8 +41,8 @@ SEED_NOISE = 0.01  # two scaling runs differing only in seed end ~1% apart
 @dataclass(frozen=True)
 class Measured:
     """A grid point the ``scaling`` bench ran at ``steps``: the subspace model at width ``d`` and rank
-    ``rank`` under its best parametrisation there, at the (base) lr it ran at; its gap to dense over
-    its seeds and each seed's gap."""
+    ``rank`` under its best parametrisation there, at the (base) lr it ran at with ``optimizer``; its
+    gap to dense (with the same optimizer) over its seeds and each seed's gap."""
 
     d: int
     rank: int
@@ -49,6 +50,7 @@ class Measured:
     lr: float
     gap: float
     seed_gaps: tuple[float, ...]
+    optimizer: str = "adamw"
 
     @property
     def uncertainty(self) -> float:
@@ -61,8 +63,9 @@ class Measured:
 @dataclass(frozen=True)
 class GapLaw:
     """``gap = a + b ln k + c ln d + e ln s`` with a one-sd ``uncertainty``; ``alpha``: dense's loss ~
-    steps^-alpha; ``source``: where it was measured; ``measured``: the grid points it was fitted on,
-    at ``steps`` steps, of models with ``layers`` layers and a ``vocab``-token vocabulary."""
+    steps^-alpha; ``source``: where it was measured; ``measured``: the grid's points (per optimizer),
+    at ``steps`` steps, of models with ``layers`` layers and a ``vocab``-token vocabulary; the law
+    itself is fitted on ``optimizer``'s runs only (against dense with the same optimizer)."""
 
     coef: tuple[float, float, float, float]
     uncertainty: float
@@ -72,17 +75,18 @@ class GapLaw:
     steps: int = 1000
     layers: int = 4
     vocab: int = 4096
+    optimizer: str = "adamw"
 
     def gap(self, k: int, d: int, steps: int) -> float:
         a, b, c, e = self.coef
         return a + b * math.log(k) + c * math.log(d) + e * math.log(steps)
 
-    def points(self, model: ModelConfig, steps: int) -> dict[int, Measured]:
-        """Rank -> the grid point measured at the model's width, if the bench ran ``steps`` steps on
-        a model of this depth and vocabulary (else none)."""
+    def points(self, model: ModelConfig, steps: int, optimizer: str = "adamw") -> dict[int, Measured]:
+        """Rank -> the grid point measured at the model's width with ``optimizer``, if the bench ran
+        ``steps`` steps on a model of this depth and vocabulary (else none)."""
         if (model.n_layers, model.vocab_size, steps) != (self.layers, self.vocab, self.steps):
             return {}
-        return {m.rank: m for m in self.measured if m.d == model.d_model}
+        return {m.rank: m for m in self.measured if m.d == model.d_model and m.optimizer == optimizer}
 
     @classmethod
     def load(cls, path: str | Path) -> GapLaw:
@@ -92,7 +96,15 @@ class GapLaw:
         if "coef" not in law:
             raise ValueError(f"{path}: no fitted law ({law.get('error', 'no coef')})")
         measured = tuple(
-            Measured(m["d"], m["rank"], m["parametrisation"], m["lr"], m["gap"], tuple(m["seed_gaps"]))
+            Measured(
+                m["d"],
+                m["rank"],
+                m["parametrisation"],
+                m["lr"],
+                m["gap"],
+                tuple(m["seed_gaps"]),
+                m.get("optimizer", "adamw"),
+            )
             for m in law.get("measured", [])
         )
         shape = law.get("shape", {})
@@ -105,6 +117,7 @@ class GapLaw:
             law.get("steps", 1000),
             shape.get("n_layers", 4),
             shape.get("vocab_size", 4096),
+            law.get("optimizer", "adamw"),
         )
 
 
@@ -166,13 +179,16 @@ def plan(
     microbatches: int = 8,
     microbatch_tokens: int = 2048,
     steps: int = 1000,
+    optimizer: str = "adamw",
 ) -> list[Candidate]:
-    """Dense, then each rank in ``ranks`` and each the law measured at this width (those below d)."""
+    """Dense, then each rank in ``ranks`` and each the law measured at this width (those below d),
+    both trained with ``optimizer``. The law holds for its own optimizer only: with another, only
+    the ranks measured with it at this width are candidates."""
     d = model.d_model
     dense_tps = tokens_per_second(model, profile, link, n_stages, microbatches, microbatch_tokens, 0)
     out = [Candidate("dense bf16", 0, dense_tps, 0.0, 0.0, 1.0, 1.0)]
-    points = law.points(model, steps)
-    for k in sorted(set(ranks) | set(points)):
+    points = law.points(model, steps, optimizer)
+    for k in sorted(set(ranks if optimizer == law.optimizer else ()) | set(points)):
         if not 0 < k < d:
             continue
         tps = tokens_per_second(model, profile, link, n_stages, microbatches, microbatch_tokens, k)
