@@ -401,10 +401,12 @@ def table(
 
 
 def coordinate(plan: ScalingPlan, dataset: TokenDataset, steps: int = 4) -> dict:
-    """The coordinate check over the plan's widths (up to ``max_width``), standard vs muP, for dense
-    and the subspace model at the plan's smallest rank, all at ``lr_start``."""
+    """The coordinate check over the plan's widths (up to ``max_width``), standard vs muP (and, with
+    ``anchored``, the subspace model under ``mup-anchored``), for dense and the subspace model at
+    the plan's smallest rank, all at ``lr_start``."""
     widths = plan.run_widths
     methods = [Method("dense"), Method("subspace", min(plan.ranks))]
+    parametrisations = ("standard", "mup", "mup-anchored") if plan.anchored else ("standard", "mup")
     configs = {
         (m.name, par, d): coordinate_check.check_config(
             width_model(plan, d, m, par),
@@ -415,10 +417,17 @@ def coordinate(plan: ScalingPlan, dataset: TokenDataset, steps: int = 4) -> dict
             m.kind == "subspace",
         )
         for m in methods
-        for par in ("standard", "mup")
+        for par in parametrisations
+        if par != "mup-anchored" or m.kind == "subspace"  # dense: the same model as under mup
         for d in widths
     }
     return coordinate_check.run(configs, dataset, steps)
+
+
+def coordinate_file(plan: ScalingPlan, cache: Path) -> Path:
+    """Where the coordinate check of ``plan``'s widths (and parametrisations) is kept."""
+    widths = "-".join(map(str, plan.run_widths))
+    return cache / f"coordinate-check-{widths}{'-anchored' if plan.anchored else ''}.json"
 
 
 def law_summary(runs: list[dict], steps: int) -> dict:
@@ -456,7 +465,7 @@ def full(
     """The section: the grid (:func:`run`), the coordinate check (kept in ``cache`` once run) and the law."""
     result = run(plan, dataset, cache, progress, cached_only)
     widths = plan.run_widths
-    saved = cache / f"coordinate-check-{'-'.join(map(str, widths))}.json"
+    saved = coordinate_file(plan, cache)
     kept = sorted(cache.glob("coordinate-check-*.json"), key=lambda p: len(p.stem))  # the widest last
     if saved.exists() or (cached_only and kept):
         result["coordinate"] = json.loads((saved if saved.exists() else kept[-1]).read_text())

@@ -187,7 +187,11 @@ def _scaling(results: dict, report: str) -> None:
         ("mup-anchored", "subspace k=4"),
     }
     assert all(t["check"] is not None for t in grid["transfer"])  # the local sweeps at d = 64
-    assert {e["parametrisation"] for e in grid["coordinate"]["exponents"]} == {"mup", "standard"}
+    exponents = {(e["method"], e["parametrisation"]) for e in grid["coordinate"]["exponents"]}
+    assert exponents == {
+        *((m, p) for m in ("dense", "subspace k=4") for p in ("mup", "standard")),
+        ("subspace k=4", "mup-anchored"),  # the anchored plan's default: dense is mup's model under it
+    }
     assert "error" in grid["law"]  # one rank: no law; said so, not fitted
     assert "## Quality as models widen (scaling)" in report
 
