@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 LR_FACTOR = 2.0  # the spacing of the learning-rate grid
 SEED_NOISE = 0.02  # two seeds of one variant end ~1% apart: closer lrs need a second seed
+MAX_POINTS = 8  # a sweep stops extending at this many lrs (a factor 2^7 between its ends)
 
 Loss = Callable[[float, int], float]  # (lr, seed) -> final validation loss; inf: diverged, NaN: not run
 
@@ -40,7 +41,8 @@ def search(
     """The best lr on the factor-2 grid around ``start`` and the scores it was chosen on: first on
     ``seed`` until the best point has worse neighbours on both sides, then again with the points
     within ``SEED_NOISE`` of the best ranked with ``tie_seed`` too (None: one seed only).
-    ``partial``: a sweep whose runs are not all there (a cached-only report) stops extending.
+    ``partial``: a sweep whose runs are not all there (a cached-only report) stops extending; so
+    does one that diverged at every lr it tried or reached ``MAX_POINTS`` lrs.
     ``(start, {})`` when no run is there."""
     lrs = {start / LR_FACTOR, start, start * LR_FACTOR}
     best, found = start, {}
@@ -52,7 +54,9 @@ def search(
             best = min(found, key=found.get)
             neighbours = (best / LR_FACTOR, best * LR_FACTOR)
             missing = {lr for lr in neighbours if not any(math.isclose(lr, x) for x in lrs)}
-            if not missing or (partial and len(found) < len(lrs)):
+            if not missing or (partial and len(found) < len(lrs)) or len(lrs) >= MAX_POINTS:
                 break
+            if not any(math.isfinite(x) for x in found.values()):
+                break  # diverged at every lr tried: no direction to extend in
             lrs |= missing
     return best, found

@@ -141,3 +141,16 @@ def test_parametrisations_that_build_one_model_at_the_base_width_share_its_runs(
     assert stored_parametrisation(plan, 128, DENSE, "standard") == "mup"
     assert stored_parametrisation(plan, 256, sub, "mup-anchored") == "mup-anchored"
     assert stored_parametrisation(plan, 256, DENSE, "standard") == "standard"
+
+
+def test_a_sweep_that_diverges_everywhere_stops():
+    grid = SurfaceGrid({(lr, 0): math.inf for lr in (2e-3, 4e-3, 8e-3)})  # every lr tried diverged
+    grid.tune(32, DENSE, "mup")
+    assert {lr for lr, _ in grid.calls} == {2e-3, 4e-3, 8e-3}  # no extension without a direction
+
+
+def test_a_sweep_that_keeps_improving_stops_at_its_widest():
+    surface = {(4e-3 * 2.0**i, 0): 5.0 - 0.01 * i for i in range(-10, 10)}  # better the higher the lr
+    grid = SurfaceGrid(surface)
+    best = grid.tune(32, DENSE, "mup")
+    assert len({lr for lr, _ in grid.calls}) == 8 and best == max(lr for lr, _ in grid.calls)
