@@ -41,8 +41,9 @@ def search(
     """The best lr on the factor-2 grid around ``start`` and the scores it was chosen on: first on
     ``seed`` until the best point has worse neighbours on both sides, then again with the points
     within ``SEED_NOISE`` of the best ranked with ``tie_seed`` too (None: one seed only).
-    ``partial``: a sweep whose runs are not all there (a cached-only report) stops extending; so
-    does one that diverged at every lr it tried or reached ``MAX_POINTS`` lrs.
+    A sweep that diverged at every lr it tried extends downwards only; one that reached
+    ``MAX_POINTS`` lrs stops (its best may then be an edge: :func:`interior` says),
+    and so does one whose runs are not all there (``partial``: a cached-only report).
     ``(start, {})`` when no run is there."""
     lrs = {start / LR_FACTOR, start, start * LR_FACTOR}
     best, found = start, {}
@@ -53,10 +54,18 @@ def search(
                 return start, {}
             best = min(found, key=found.get)
             neighbours = (best / LR_FACTOR, best * LR_FACTOR)
+            if not any(math.isfinite(x) for x in found.values()):
+                neighbours = (min(lrs) / LR_FACTOR,)  # diverged at every lr tried: lower ones
             missing = {lr for lr in neighbours if not any(math.isclose(lr, x) for x in lrs)}
             if not missing or (partial and len(found) < len(lrs)) or len(lrs) >= MAX_POINTS:
                 break
-            if not any(math.isfinite(x) for x in found.values()):
-                break  # diverged at every lr tried: no direction to extend in
             lrs |= missing
     return best, found
+
+
+def interior(best: float, found: dict[float, float]) -> bool:
+    """Whether ``best`` is finite with both neighbours measured (worse): a sweep that ended properly."""
+    lrs = list(found)
+    return math.isfinite(found.get(best, math.inf)) and all(
+        any(math.isclose(best * f, x) for x in lrs) for f in (1 / LR_FACTOR, LR_FACTOR)
+    )

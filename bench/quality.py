@@ -262,7 +262,14 @@ def run(
                 row["shaper"] = timed["shaper"]
     compare(rows, plan, profile)
     links = [dataclasses.asdict(x) for x in plan.links]
-    return {"rows": rows, "diverged": diverged, "links": links, "profile": profile.name}
+    out = {"rows": rows, "diverged": diverged, "links": links, "profile": profile.name}
+    if plan.tune:
+        out["tuning"] = {
+            "factor": lr_search.LR_FACTOR,
+            "seed_noise": lr_search.SEED_NOISE,
+            "tie_seed": plan.tie_seed,
+        }
+    return out
 
 
 def _changed(values: dict, defaults: dict) -> dict:
@@ -353,13 +360,17 @@ def tuned_curve(
 
     def loss(lr: float, seed: int) -> float:
         rows[lr, seed] = curve(v, plan, dataset, cache, progress, lr, seed)
-        return rows[lr, seed].get("final_val_loss", math.inf)
+        final = rows[lr, seed].get("final_val_loss", math.inf)
+        return math.inf if math.isnan(final) else final  # NaN would read as "not run"
 
     full_rank = not v.model.constrained
     start = plan.dense_lr if full_rank and plan.dense_lr is not None else plan.train.lr
     best, scores = lr_search.search(loss, start, plan.train.seed, plan.tie_seed)
     sweep = {f"{lr:.3g}": score for lr, score in sorted(scores.items())}
-    return rows[best, plan.train.seed] | {"lr": best, "lr_sweep": sweep}
+    interior = lr_search.interior(best, scores)
+    if not interior:
+        progress(f"quality: {v.name}: no interior best lr ({sweep})")
+    return rows[best, plan.train.seed] | {"lr": best, "lr_sweep": sweep, "lr_interior": interior}
 
 
 def _trained_row(v: Variant, config: RunConfig, s: TrainSummary) -> dict:

@@ -70,11 +70,20 @@ def section(r: dict) -> list[str]:
             f"{row['variant']}: " + ", ".join(f"{lr}: {loss:.3f}" for lr, loss in row["lr_sweep"].items())
             for row in swept
         )
+        tuning = q.get("tuning", {})
+        ties = (
+            f"; lrs within {100 * tuning['seed_noise']:g}% of the best ranked on the mean with seed "
+            f"{tuning['tie_seed']}"
+            if tuning.get("tie_seed") is not None
+            else "; one seed"
+        )
+        edges = [row["variant"] for row in swept if not row.get("lr_interior", True)]
         out += [
             "",
-            "Each variant at its own learning rate: the best of a factor-2 sweep extended until the best "
-            "has worse neighbours (`bench/lr_search.py`; lrs within 2% of the best ranked on two seeds' "
-            f"mean). Final losses per lr: {sweeps}.",
+            f"Each variant at its own learning rate: the best of a factor-{tuning.get('factor', 2):g} sweep "
+            f"extended until the best has worse neighbours (`bench/lr_search.py`{ties}). "
+            f"Final losses per lr: {sweeps}."
+            + (f" No interior best (an edge of the sweep): {', '.join(edges)}." if edges else ""),
         ]
     levers = [row for row in rows if row["lever"]]
     if levers:

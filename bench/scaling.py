@@ -227,7 +227,9 @@ class Grid:
             self.plan.tie_seed,
             partial=self.cached_only,
         )
-        if scores:
+        if scores and not lr_search.interior(best, scores) and not self.cached_only:
+            self.progress(f"scaling: d={d} {method.name} {parametrisation}: no interior best lr ({scores})")
+        if scores and math.isfinite(scores[best]):
             self.chosen[(d, method.name, parametrisation)] = best
             self.swept[(d, method.name, parametrisation)] = scores
         return best
@@ -424,6 +426,12 @@ def coordinate(plan: ScalingPlan, dataset: TokenDataset, steps: int = 4) -> dict
     return coordinate_check.run(configs, dataset, steps)
 
 
+def _coordinate_order(path: Path) -> tuple[int, bool]:
+    """A kept coordinate check's number of widths, then whether it covers mup-anchored."""
+    parts = path.stem.split("-")[2:]
+    return sum(p.isdigit() for p in parts), "anchored" in parts
+
+
 def coordinate_file(plan: ScalingPlan, cache: Path) -> Path:
     """Where the coordinate check of ``plan``'s widths (and parametrisations) is kept."""
     widths = "-".join(map(str, plan.run_widths))
@@ -466,7 +474,7 @@ def full(
     result = run(plan, dataset, cache, progress, cached_only)
     widths = plan.run_widths
     saved = coordinate_file(plan, cache)
-    kept = sorted(cache.glob("coordinate-check-*.json"), key=lambda p: len(p.stem))  # the widest last
+    kept = sorted(cache.glob("coordinate-check-*.json"), key=_coordinate_order)  # the widest last
     if saved.exists() or (cached_only and kept):
         result["coordinate"] = json.loads((saved if saved.exists() else kept[-1]).read_text())
     elif not cached_only:

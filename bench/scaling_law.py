@@ -31,29 +31,35 @@ class Point:
 
 
 def seed_means(runs: list[dict]) -> list[dict]:
-    """The runs with every seed of one configuration (width, kind, rank, parametrisation, lr) merged
-    into one: its curve and final loss the seeds' means (a single seed's gap can be off by several
-    points; the mean halves that). Diverged runs are left out."""
-    groups: dict[
-        tuple, dict[int, dict]
-    ] = {}  # configuration -> seed -> its run (a run listed twice counts once)
-    for r in (r for r in runs if r["curve"] and math.isfinite(r["final"])):
-        groups.setdefault((r["d"], r["kind"], r["rank"], r["parametrisation"], r["lr"]), {})[r["seed"]] = r
+    """The runs with every seed of one configuration (width, kind, rank, optimizer, parametrisation,
+    lr) merged into one: its ``curve`` and ``final`` the seeds' means (a single seed's gap can be
+    off by several points; the mean halves that), ``seeds`` each seed's curve. A run listed twice
+    counts once; diverged runs are left out, and so is a seed evaluated at other steps than the
+    lowest seed."""
+    groups: dict[tuple, dict[int, dict]] = {}  # configuration -> seed -> its run
+    for r in runs:
+        if r["curve"] and math.isfinite(r["final"]):
+            key = (r["d"], r["kind"], r["rank"], r.get("optimizer"), r["parametrisation"], r["lr"])
+            groups.setdefault(key, {})[r["seed"]] = r
     merged = []
     for by_seed in groups.values():
-        same = list(by_seed.values())
-        steps = [s for s, _ in same[0]["curve"]]
-        if any([s for s, _ in r["curve"]] != steps for r in same):  # an unfinished seed: the first alone
-            same = same[:1]
-        curve = [[s, sum(r["curve"][i][1] for r in same) / len(same)] for i, s in enumerate(steps)]
-        merged.append(same[0] | {"curve": curve, "final": sum(r["final"] for r in same) / len(same)})
+        first = by_seed[min(by_seed)]
+        steps = [s for s, _ in first["curve"]]
+        curves = {seed: r["curve"] for seed, r in by_seed.items() if [s for s, _ in r["curve"]] == steps}
+        curve = mean_curve(list(curves.values()))
+        merged.append(first | {"curve": curve, "final": curve[-1][1], "seeds": curves})
     return merged
+
+
+def mean_curve(curves: list[list]) -> list[list]:
+    """The step-by-step mean of curves evaluated at the same steps."""
+    return [[step, sum(c[i][1] for c in curves) / len(curves)] for i, (step, _) in enumerate(curves[0])]
 
 
 def points(runs: list[dict], kind: str = "subspace") -> list[Point]:
     """Every evaluation of the ``kind`` runs (seeds merged: :func:`seed_means`), each grid point
     (d, k) at its best final loss under either parametrisation, against the best dense run of its
-    width at the same step."""
+    width at the same step, over the seeds both ran (all of each where they share none)."""
     best: dict[tuple[int, int], dict] = {}
     for r in seed_means(runs):
         if r["kind"] not in (kind, "dense"):
@@ -66,9 +72,14 @@ def points(runs: list[dict], kind: str = "subspace") -> list[Point]:
         dense = best.get((d, 0))
         if k == 0 or dense is None:
             continue
-        for step, loss in r["curve"]:
+        shared = sorted(set(r["seeds"]) & set(dense["seeds"]))
+        ours, theirs = r["curve"], dense["curve"]
+        if shared:
+            ours = mean_curve([r["seeds"][s] for s in shared])
+            theirs = mean_curve([dense["seeds"][s] for s in shared])
+        for step, loss in ours:
             if step >= MIN_STEP:
-                out.append(Point(d, k, step, loss / loss_at(dense["curve"], step) - 1))
+                out.append(Point(d, k, step, loss / loss_at(theirs, step) - 1))
     return out
 
 
@@ -128,7 +139,7 @@ def dense_exponent(runs: list[dict]) -> float:
     width's best dense run, seeds merged)."""
     best: dict[int, dict] = {}
     for r in seed_means(runs):
-        if r["kind"] == "dense" and r["curve"] and (r["d"] not in best or r["final"] < best[r["d"]]["final"]):
+        if r["kind"] == "dense" and (r["d"] not in best or r["final"] < best[r["d"]]["final"]):
             best[r["d"]] = r
     slopes = []
     for r in best.values():

@@ -29,6 +29,21 @@ def test_seeds_of_one_configuration_are_merged_once_each_and_diverged_runs_left_
     assert by_lr[2e-3]["final"] == 5.5
 
 
+def test_optimizers_are_never_merged_and_gaps_compare_the_seeds_both_ran():
+    adamw = entry(128, "subspace", 8, 0, [5.0, 4.6])
+    muon = entry(128, "subspace", 8, 0, [5.0, 4.2]) | {"optimizer": "muon"}
+    assert sorted(m["final"] for m in seed_means([adamw, muon])) == [4.2, 4.6]
+    runs = [
+        entry(128, "dense", 0, 0, [5.0, 4.0]),
+        entry(128, "dense", 0, 1, [5.0, 4.4]),  # a lucky seed 0: its mean is 4.2
+        entry(128, "subspace", 8, 0, [5.0, 4.1]),  # one seed: against dense's seed 0 alone
+        entry(256, "dense", 0, 0, [5.0, 4.0]),
+        entry(256, "subspace", 8, 1, [5.0, 4.2]),  # no seed in common: the means
+    ]
+    finals = {p.d: p.gap for p in points(runs) if p.step == 400}
+    assert finals == {128: pytest.approx(4.1 / 4.0 - 1), 256: pytest.approx(4.2 / 4.0 - 1)}
+
+
 def test_a_grid_point_is_its_best_configuration_against_the_best_dense_of_its_width():
     runs = [
         entry(128, "dense", 0, 0, [5.0, 4.0], lr=1e-3),

@@ -143,10 +143,17 @@ def test_parametrisations_that_build_one_model_at_the_base_width_share_its_runs(
     assert stored_parametrisation(plan, 256, DENSE, "standard") == "standard"
 
 
-def test_a_sweep_that_diverges_everywhere_stops():
-    grid = SurfaceGrid({(lr, 0): math.inf for lr in (2e-3, 4e-3, 8e-3)})  # every lr tried diverged
+def test_a_sweep_that_diverges_where_it_starts_goes_lower():
+    surface = {(lr, 0): math.inf for lr in (2e-3, 4e-3, 8e-3)} | {(1e-3, 0): 5.0, (5e-4, 0): 5.2}
+    grid = SurfaceGrid(surface)
+    assert grid.tune(32, DENSE, "mup") == 1e-3
+    assert {lr for lr, _ in grid.calls} == {5e-4, 1e-3, 2e-3, 4e-3, 8e-3}
+
+
+def test_a_sweep_that_diverges_everywhere_stops_and_chooses_nothing():
+    grid = SurfaceGrid({(8e-3 / 2.0**i, 0): math.inf for i in range(20)})
     grid.tune(32, DENSE, "mup")
-    assert {lr for lr, _ in grid.calls} == {2e-3, 4e-3, 8e-3}  # no extension without a direction
+    assert len({lr for lr, _ in grid.calls}) == 8 and (32, "dense", "mup") not in grid.chosen
 
 
 def test_a_sweep_that_keeps_improving_stops_at_its_widest():

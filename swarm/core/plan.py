@@ -81,11 +81,12 @@ class GapLaw:
         a, b, c, e = self.coef
         return a + b * math.log(k) + c * math.log(d) + e * math.log(steps)
 
-    def points(self, model: ModelConfig, steps: int, optimizer: str = "adamw") -> dict[int, Measured]:
-        """Rank -> the grid point measured at the model's width with ``optimizer``, if the bench ran
-        ``steps`` steps on a model of this depth and vocabulary (else none)."""
+    def points(self, model: ModelConfig, steps: int, optimizer: str | None = None) -> dict[int, Measured]:
+        """Rank -> the grid point measured at the model's width with ``optimizer`` (None: the law's),
+        if the bench ran ``steps`` steps on a model of this depth and vocabulary (else none)."""
         if (model.n_layers, model.vocab_size, steps) != (self.layers, self.vocab, self.steps):
             return {}
+        optimizer = optimizer or self.optimizer
         return {m.rank: m for m in self.measured if m.d == model.d_model and m.optimizer == optimizer}
 
     @classmethod
@@ -183,7 +184,8 @@ def plan(
 ) -> list[Candidate]:
     """Dense, then each rank in ``ranks`` and each the law measured at this width (those below d),
     both trained with ``optimizer``. The law holds for its own optimizer only: with another, only
-    the ranks measured with it at this width are candidates."""
+    the ranks measured with it at this width are candidates (their steps to dense's loss still
+    use the law's ``alpha``, dense's loss-vs-steps exponent with the law's optimizer)."""
     d = model.d_model
     dense_tps = tokens_per_second(model, profile, link, n_stages, microbatches, microbatch_tokens, 0)
     out = [Candidate("dense bf16", 0, dense_tps, 0.0, 0.0, 1.0, 1.0)]
