@@ -308,12 +308,12 @@ def cmd_data(args: argparse.Namespace) -> int:
     if args.action == "serve":
         from swarm.io.data_server import DataServer
 
-        with DataServer(args.dir, args.host, args.port) as server:
-            print(f"corpus {server.manifest.corpus_id} served at {server.url}", flush=True)
-            try:
+        try:  # Ctrl-C ends it cleanly wherever it lands, even before the wait or while closing
+            with DataServer(args.dir, args.host, args.port) as server:
+                print(f"corpus {server.manifest.corpus_id} served at {server.url}", flush=True)
                 threading.Event().wait()
-            except KeyboardInterrupt:
-                return 0
+        except KeyboardInterrupt:
+            return 0
     from swarm.io.prepare import PrepareOptions, prepare, resolve_tokenizer
 
     options = PrepareOptions(
