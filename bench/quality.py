@@ -354,8 +354,9 @@ def tuned_curve(
     v: Variant, plan: QualityPlan, dataset: TokenDataset, cache: Path | None, progress: Callable[[str], None]
 ) -> dict:
     """``v``'s row at its best lr by :func:`bench.lr_search.search` (the plan seed's curve), with
-    ``lr`` and ``lr_sweep`` (lr -> the score it was ranked on: a two-seed mean where one seed could
-    not rank it). The sweep starts at ``plan.dense_lr`` for models whose layers write at full rank."""
+    ``lr``, ``lr_sweep`` (lr -> the score it was ranked on: a two-seed mean where one seed could
+    not rank it) and ``seed_finals`` (seed -> final loss at that lr, every seed the sweep ran).
+    The sweep starts at ``plan.dense_lr`` for models whose layers write at full rank."""
     rows: dict[tuple[float, int], dict] = {}
 
     def loss(lr: float, seed: int) -> float:
@@ -370,7 +371,9 @@ def tuned_curve(
     interior = lr_search.interior(best, scores)
     if not interior:
         progress(f"quality: {v.name}: no interior best lr ({sweep})")
-    return rows[best, plan.train.seed] | {"lr": best, "lr_sweep": sweep, "lr_interior": interior}
+    seeds = {str(seed): row.get("final_val_loss", math.inf) for (lr, seed), row in rows.items() if lr == best}
+    tuned = {"lr": best, "lr_sweep": sweep, "lr_interior": interior, "seed_finals": seeds}
+    return rows[best, plan.train.seed] | tuned
 
 
 def _trained_row(v: Variant, config: RunConfig, s: TrainSummary) -> dict:

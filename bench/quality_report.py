@@ -85,6 +85,8 @@ def section(r: dict) -> list[str]:
             f"Final losses per lr: {sweeps}."
             + (f" No interior best (an edge of the sweep): {', '.join(edges)}." if edges else ""),
         ]
+    if any(len(row.get("seed_finals", {})) > 1 for row in rows):
+        out += ["", *_seed_lines(rows)]
     levers = [row for row in rows if row["lever"]]
     if levers:
         out += ["", "Levers: " + "; ".join(f"{row['variant']}: {row['lever']}" for row in levers) + "."]
@@ -108,6 +110,25 @@ def section(r: dict) -> list[str]:
         out.append(f"| {row['variant']} | " + " | ".join(cells) + " |")
     note = "(each cell: to the 50% / the 100% target; in parentheses: how much sooner than dense)"
     return [*out, "", note, ""]
+
+
+def _seed_lines(rows: list[dict]) -> list[str]:
+    """Final losses over every seed each variant ran at its lr, and the gap of their means to dense's
+    (the table above is the first seed's run; one seed's gap can be off by a point or two)."""
+    dense = rows[0].get("seed_finals", {})
+    dense_mean = sum(dense.values()) / len(dense) if dense else rows[0]["final_val_loss"]
+    out = [
+        "Final loss over the seeds run at each variant's lr (two where the tuning needed a second):",
+        "",
+        "| variant | seeds | final losses | mean | gap of the means |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        finals = row.get("seed_finals") or {"0": row["final_val_loss"]}
+        mean = sum(finals.values()) / len(finals)
+        losses = ", ".join(f"{loss:.3f}" for _, loss in sorted(finals.items()))
+        out.append(f"| {_name(row)} | {len(finals)} | {losses} | {mean:.3f} | {mean / dense_mean - 1:+.1%} |")
+    return out
 
 
 def _name(row: dict) -> str:
