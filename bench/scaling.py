@@ -182,7 +182,8 @@ class Grid:
     ):
         self.plan, self.dataset, self.cache, self.progress = plan, dataset, cache, progress
         self.cached_only = cached_only  # report what was run; train nothing
-        self.results: list[dict] = []
+        self.results: list[dict] = []  # one entry per run, in the order first asked for
+        self._recorded: dict[str, dict] = {}  # run key -> its entry in ``results``
         self.chosen: dict[tuple, float] = {}  # (d, method name, parametrisation) -> tuned lr
         self.swept: dict[tuple, dict[float, float]] = {}  # the same key -> lr -> the tune's score
 
@@ -195,6 +196,8 @@ class Grid:
         seed = self.plan.seed if seed is None else seed
         variant, quality_plan = run_variant(self.plan, d, method, lr, parametrisation, seed)
         key = run_key(variant.config(quality_plan.train, quality_plan.n_stages), quality_plan.eval_batches)
+        if key in self._recorded:
+            return self._recorded[key]["final"]
         if self.cached_only and not (self.cache / f"{key}.json").exists():
             return math.nan
         t0 = time.perf_counter()
@@ -214,6 +217,7 @@ class Grid:
             "seconds": time.perf_counter() - t0,
         }
         self.results.append(entry)
+        self._recorded[key] = entry
         return entry["final"]
 
     def tune(self, d: int, method: Method, parametrisation: str, start: float | None = None) -> float:

@@ -10,6 +10,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
+from bench.lr_search import LR_FACTOR, SEED_NOISE
+
 
 def best_gaps(table: list[dict]) -> dict[tuple[str, int], dict]:
     """(method, d) -> the table row of the lowest loss at that point under any parametrisation run
@@ -56,8 +58,9 @@ def section(r: dict) -> list[str]:
         "",
         f"{s['plan']['steps']} steps of batch {s['plan']['batch_size']} x {s['plan']['seq_len']}, "
         f"{s['plan']['n_layers']} layers in {s['plan']['n_stages']} stages, heads of 64, d_ff ~2.69 d; "
-        f"learning rates tuned at d = {s['plan']['widths'][0]} on a factor-2 grid (best point interior; "
-        "lrs within 2% of the best ranked on the mean of two seeds), then transferred. Gap: final "
+        f"learning rates tuned at d = {s['plan']['widths'][0]} on a factor-{LR_FACTOR:g} grid (best point "
+        f"interior; lrs within {100 * SEED_NOISE:g}% of the best ranked on the mean of two seeds), then "
+        "transferred. Gap: final "
         "validation loss over the best dense run's at that width with the same optimizer "
         "(either parametrisation), each at its own best lr. Two runs differing only in seed often end "
         "~1% apart, so a gap under ~2 points decides nothing on one seed: where a point was rerun with "
