@@ -79,6 +79,7 @@ class QualityPlan:
     tune: bool = False
     dense_lr: float | None = None
     tie_seed: int | None = 1
+    confirm_seeds: list[int] = field(default_factory=list)  # more seeds every tuned lr is run on
     shaper: str = "netns"
     paper_profile: str = "h200-2b-8layer-mb512"  # a bundled profile name or a JSON path
 
@@ -268,6 +269,7 @@ def run(
             "factor": lr_search.LR_FACTOR,
             "seed_noise": lr_search.SEED_NOISE,
             "tie_seed": plan.tie_seed,
+            "confirm_seeds": plan.confirm_seeds,
         }
     return out
 
@@ -355,7 +357,8 @@ def tuned_curve(
 ) -> dict:
     """``v``'s row at its best lr by :func:`bench.lr_search.search` (the plan seed's curve), with
     ``lr``, ``lr_sweep`` (lr -> the score it was ranked on: a two-seed mean where one seed could
-    not rank it) and ``seed_finals`` (seed -> final loss at that lr, every seed the sweep ran).
+    not rank it) and ``seed_finals`` (seed -> final loss at that lr, every seed the sweep and
+    ``plan.confirm_seeds`` ran).
     The sweep starts at ``plan.dense_lr`` for models whose layers write at full rank."""
     rows: dict[tuple[float, int], dict] = {}
 
@@ -367,6 +370,9 @@ def tuned_curve(
     full_rank = not v.model.constrained
     start = plan.dense_lr if full_rank and plan.dense_lr is not None else plan.train.lr
     best, scores = lr_search.search(loss, start, plan.train.seed, plan.tie_seed)
+    for seed in plan.confirm_seeds:  # a gap of a point or two needs every variant on the same seeds
+        if (best, seed) not in rows and math.isfinite(scores.get(best, math.inf)):
+            loss(best, seed)
     sweep = {f"{lr:.3g}": score for lr, score in sorted(scores.items())}
     interior = lr_search.interior(best, scores)
     if not interior:

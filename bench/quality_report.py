@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import matplotlib
@@ -77,6 +78,9 @@ def section(r: dict) -> list[str]:
             if tuning.get("tie_seed") is not None
             else "; one seed"
         )
+        confirm = tuning.get("confirm_seeds")
+        if confirm:
+            ties += f"; every variant's lr then run on seed {', '.join(map(str, confirm))} too"
         edges = [row["variant"] for row in swept if not row.get("lr_interior", True)]
         out += [
             "",
@@ -114,21 +118,30 @@ def section(r: dict) -> list[str]:
 
 def _seed_lines(rows: list[dict]) -> list[str]:
     """Final losses over every seed each variant ran at its lr, and the gap of their means to dense's
-    (the table above is the first seed's run; one seed's gap can be off by a point or two)."""
-    dense = rows[0].get("seed_finals", {})
-    dense_mean = sum(dense.values()) / len(dense) if dense else rows[0]["final_val_loss"]
+    over the seeds both ran (the table above is the first seed's run; one seed's gap can be off by a
+    point or two)."""
+    dense = _finals(rows[0])
     out = [
-        "Final loss over the seeds run at each variant's lr (two where the tuning needed a second):",
+        "Final loss over the seeds run at each variant's lr; the gap compares means over the seeds "
+        "both it and dense ran:",
         "",
         "| variant | seeds | final losses | mean | gap of the means |",
         "|---|---|---|---|---|",
     ]
     for row in rows:
-        finals = row.get("seed_finals") or {"0": row["final_val_loss"]}
+        finals = _finals(row)
+        shared = sorted(finals.keys() & dense.keys())
         mean = sum(finals.values()) / len(finals)
+        gap = sum(finals[s] for s in shared) / sum(dense[s] for s in shared) - 1 if shared else math.nan
+        seeds = ", ".join(sorted(finals))
         losses = ", ".join(f"{loss:.3f}" for _, loss in sorted(finals.items()))
-        out.append(f"| {_name(row)} | {len(finals)} | {losses} | {mean:.3f} | {mean / dense_mean - 1:+.1%} |")
+        out.append(f"| {_name(row)} | {seeds} | {losses} | {mean:.3f} | {gap:+.1%} |")
     return out
+
+
+def _finals(row: dict) -> dict[str, float]:
+    """Seed -> final loss at the row's lr (the plan's seed alone where the row was not tuned)."""
+    return row.get("seed_finals") or {"0": row["final_val_loss"]}
 
 
 def _name(row: dict) -> str:

@@ -20,6 +20,7 @@ from bench.quality import (
     tuned_curve,
     variants,
 )
+from bench.quality_report import _seed_lines
 from bench.scaling import Method, full_plan, run_variant
 from bench.throughput import Link
 from swarm.core.config import MODEL_PRESETS, CodecConfig, ModelConfig, RunConfig, TrainConfig
@@ -104,14 +105,18 @@ def test_cache_keys_outlive_a_changed_default():
         assert (CACHE / f"{key}.json").exists(), variant.name
 
 
-def test_a_tuned_variant_is_reported_at_its_best_lr_of_a_sweep_that_ends_interior(tmp_path):
+@pytest.mark.parametrize("confirm", [[], [1]])
+def test_a_tuned_variant_is_reported_at_its_best_lr_of_a_sweep_that_ends_interior(tmp_path, confirm):
     """Tuning trains the variant at lrs a factor 2 apart until the best one has worse neighbours on
-    both sides, and the row is that lr's run (its cached curve), with the sweep it was chosen on."""
+    both sides, and the row is that lr's run (its cached curve), with the sweep it was chosen on;
+    the confirming seeds run at that lr only."""
     model = MODEL_PRESETS["tiny"]
     train = TrainConfig(
         steps=6, batch_size=4, seq_len=32, microbatches=2, lr=0.1, warmup_steps=1, eval_every=3
     )
-    plan = QualityPlan(model, train, 2, ["subspace k=8"], [], eval_batches=1, tune=True, tie_seed=None)
+    plan = QualityPlan(
+        model, train, 2, ["subspace k=8"], [], eval_batches=1, tune=True, tie_seed=None, confirm_seeds=confirm
+    )
     (variant,) = [v for v in variants(model, 2) if v.name == "subspace k=8"]
     dataset = load_dataset(RunConfig(model=model, train=train, n_stages=1))
     row = tuned_curve(variant, plan, dataset, tmp_path, lambda _: None)
@@ -121,8 +126,29 @@ def test_a_tuned_variant_is_reported_at_its_best_lr_of_a_sweep_that_ends_interio
     assert any(lr == pytest.approx(best / 2) for lr in sweep) and any(
         lr == pytest.approx(best * 2) for lr in sweep
     )
-    assert len(sweep) >= 3 and len(list(tmp_path.glob("*.json"))) == len(sweep)  # one cached run per lr
+    runs = len(sweep) + len(confirm)  # one cached run per lr, and one per confirming seed
+    assert len(sweep) >= 3 and len(list(tmp_path.glob("*.json"))) == runs
     assert row["final_val_loss"] == sweep[best]
+    assert set(row["seed_finals"]) == {"0", *map(str, confirm)}
+    for seed in confirm:
+        again = curve(variant, plan, dataset, tmp_path, lambda _: None, lr=row["lr"], seed=seed)
+        assert row["seed_finals"][str(seed)] == again["final_val_loss"] != row["final_val_loss"]
     assert (
         curve(variant, plan, dataset, tmp_path, lambda _: None, lr=row["lr"])["val_curve"] == row["val_curve"]
     )
+
+
+def test_the_seed_table_compares_means_over_the_seeds_both_sides_ran():
+    """A variant run on one seed is compared with dense's run on that seed, not with dense's mean over
+    two (seeds end a point or two apart: mixing seed sets would shift the gap by as much)."""
+    rows = [
+        {"variant": "dense bf16", "seed_finals": {"0": 5.0, "1": 5.2}},
+        {"variant": "one seed", "lr": 0.002, "seed_finals": {"0": 5.1}},
+        {"variant": "two seeds", "lr": 0.002, "seed_finals": {"0": 5.0, "1": 5.4}},
+    ]
+    table = {
+        line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in _seed_lines(rows) if "|" in line
+    }
+    assert table["one seed (lr 0.002)"][1:] == ["0", "5.100", "5.100", "+2.0% |"]
+    assert table["two seeds (lr 0.002)"][1:] == ["0, 1", "5.000, 5.400", "5.200", "+2.0% |"]
+    assert table["dense bf16"][-1] == "+0.0% |"
