@@ -493,22 +493,28 @@ def full(
         for row in result["table"]
         if not row["probe"]
     }
-    result["law"] = law_summary(
-        [
+    on_rule = {
+        optimizer: [
             r
             for r in result["runs"]
-            if r["optimizer"] == plan.optimizers[0]  # one optimizer's law: the grid's first
-            and (r["d"], r["parametrisation"], r["method"], r["lr"]) in chosen
-        ],
-        plan.steps,
-    )
+            if r["optimizer"] == optimizer and (r["d"], r["parametrisation"], r["method"], r["lr"]) in chosen
+        ]
+        for optimizer in {*plan.optimizers, *(opt for _, opt in plan.contenders)}
+    }
+    result["law"] = law_summary(on_rule[plan.optimizers[0]], plan.steps)  # the grid's first optimizer's
     if "coef" in result["law"]:
         shape = {"n_layers": plan.n_layers, "vocab_size": plan.vocab_size}
         measured = measured_points(result["table"])
+        alphas = {  # steps to dense's loss with each optimizer use its own dense's exponent
+            optimizer: scaling_law.dense_exponent(runs)
+            for optimizer, runs in on_rule.items()
+            if any(r["kind"] == "dense" for r in runs)
+        }
         result["law"] |= {
             "steps": plan.steps,
             "shape": shape,
             "optimizer": plan.optimizers[0],
+            "alphas": alphas,
             "measured": measured,
         }
     return result

@@ -191,6 +191,19 @@ def _law_lines(law: dict | None) -> list[str]:
             for p in law["predictions"]
         ),
         "",
+        *_exponent_lines(law.get("alphas", {})),
+    ]
+
+
+def _exponent_lines(alphas: dict[str, float]) -> list[str]:
+    """Dense's loss-vs-steps exponent per optimizer: how `swarm plan` turns a gap into steps."""
+    if not alphas:
+        return []
+    each = ", ".join(f"{optimizer} {alpha:.3f}" for optimizer, alpha in sorted(alphas.items()))
+    return [
+        f"Dense's loss ~ steps^-alpha from its best runs (`swarm plan` turns a gap g into (1 + g)^(1/alpha) "
+        f"times the steps, with the optimizer's own alpha): {each}.",
+        "",
     ]
 
 

@@ -81,16 +81,18 @@ def test_a_measured_point_replaces_the_law_at_its_width_only():
 
 
 def test_another_optimizer_than_the_laws_takes_only_its_own_measured_points():
-    """Gaps are against dense with the same optimizer: a Muon point never stands in for AdamW's, and
-    with Muon (no law fitted on it) the law's ranks are no candidates."""
+    """Gaps are against dense with the same optimizer: a Muon point never stands in for AdamW's, with
+    Muon (no law fitted on it) the law's ranks are no candidates, and its steps to dense's loss
+    follow Muon dense's loss-vs-steps exponent."""
     adamw = Measured(1024, 16, "mup-anchored", 0.001, -0.01, (-0.01, -0.01))
     muon = Measured(1024, 16, "mup-anchored", 0.004, 0.06, (0.05, 0.07), "muon")
-    law = GapLaw(LAW.coef, 0.01, 0.1, "by hand", (adamw, muon), 1000, layers=4, vocab=256)
+    law = GapLaw(LAW.coef, 0.01, 0.1, "by hand", (adamw, muon), 1000, 4, 256, alphas={"muon": 0.2})
     rows = plan(model(4), PROFILE, Link(100.0, 40.0), law, [32], n_stages=2)
     assert [(r.rank, r.measured) for r in rows] == [(0, None), (16, adamw), (32, None)]
     rows = plan(model(4), PROFILE, Link(100.0, 40.0), law, [32], n_stages=2, optimizer="muon")
     assert [(r.rank, r.measured) for r in rows] == [(0, None), (16, muon)]
     assert rows[1].gap == 0.06 and rows[1].uncertainty == pytest.approx(0.01)
+    assert rows[1].steps_factor == pytest.approx(1.07**5)  # Muon dense's own exponent, not the law's 0.1
     assert recommend(rows, 0.03).rank == 0  # +6% is beyond the accepted gap: dense
 
 

@@ -13,7 +13,8 @@ stages (GPipe, a flush per step):
   by the bench's law ``a + b ln k + c ln d + e ln s`` with its uncertainty (an extrapolation far
   beyond the widths it was fitted on: labelled so);
 * **time to dense's final loss**: a run that ends ``g`` above dense needs ``(1 + g)^(1/alpha)`` times
-  the steps, ``alpha`` being dense's loss-vs-steps exponent from the same bench. Taken pessimistically:
+  the steps, ``alpha`` being dense's loss-vs-steps exponent from the same bench with the same
+  optimizer. Taken pessimistically:
   ``g`` is the predicted gap plus its uncertainty, and never below zero (no method is credited with
   beating dense per step).
 
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from swarm.core.config import ModelConfig
@@ -63,7 +64,8 @@ class Measured:
 @dataclass(frozen=True)
 class GapLaw:
     """``gap = a + b ln k + c ln d + e ln s`` with a one-sd ``uncertainty``; ``alpha``: dense's loss ~
-    steps^-alpha; ``source``: where it was measured; ``measured``: the grid's points (per optimizer),
+    steps^-alpha with the law's optimizer (``alphas``: per optimizer, where the bench ran its dense);
+    ``source``: where it was measured; ``measured``: the grid's points (per optimizer),
     at ``steps`` steps, of models with ``layers`` layers and a ``vocab``-token vocabulary; the law
     itself is fitted on ``optimizer``'s runs only (against dense with the same optimizer)."""
 
@@ -76,6 +78,12 @@ class GapLaw:
     layers: int = 4
     vocab: int = 4096
     optimizer: str = "adamw"
+    alphas: dict[str, float] = field(default_factory=dict)
+
+    def exponent(self, optimizer: str | None = None) -> float:
+        """Dense's loss-vs-steps exponent with ``optimizer`` (None, or one the bench has no dense
+        curve of: the law's own)."""
+        return self.alphas.get(optimizer or self.optimizer, self.alpha)
 
     def gap(self, k: int, d: int, steps: int) -> float:
         a, b, c, e = self.coef
@@ -119,6 +127,7 @@ class GapLaw:
             shape.get("n_layers", 4),
             shape.get("vocab_size", 4096),
             law.get("optimizer", "adamw"),
+            law.get("alphas", {}),
         )
 
 
@@ -184,8 +193,8 @@ def plan(
 ) -> list[Candidate]:
     """Dense, then each rank in ``ranks`` and each the law measured at this width (those below d),
     both trained with ``optimizer``. The law holds for its own optimizer only: with another, only
-    the ranks measured with it at this width are candidates (their steps to dense's loss still
-    use the law's ``alpha``, dense's loss-vs-steps exponent with the law's optimizer)."""
+    the ranks measured with it at this width are candidates. Steps to dense's loss use dense's
+    loss-vs-steps exponent with ``optimizer`` (:meth:`GapLaw.exponent`)."""
     d = model.d_model
     dense_tps = tokens_per_second(model, profile, link, n_stages, microbatches, microbatch_tokens, 0)
     out = [Candidate("dense bf16", 0, dense_tps, 0.0, 0.0, 1.0, 1.0)]
@@ -199,7 +208,7 @@ def plan(
             gap, uncertainty = point.gap, point.uncertainty
         else:
             gap, uncertainty = law.gap(k, d, steps), law.uncertainty
-        factor = (1 + max(gap + uncertainty, 0.0)) ** (1 / law.alpha)
+        factor = (1 + max(gap + uncertainty, 0.0)) ** (1 / law.exponent(optimizer))
         name = f"subspace k={k} bf16"
         out.append(Candidate(name, k, tps, gap, uncertainty, factor, tps / dense_tps / factor, point))
     return out
