@@ -27,7 +27,17 @@ class Point:
     d: int
     k: int
     step: int
-    gap: float
+    gap: float  # over the seeds' mean losses
+    seed_gaps: tuple[float, ...] = ()  # each shared seed's own gap (empty: the sides share no seed)
+
+    @property
+    def standard_error(self) -> float | None:
+        """The gap's standard error from its seeds' spread (None: fewer than two seeds)."""
+        n = len(self.seed_gaps)
+        if n < 2:
+            return None
+        mean = sum(self.seed_gaps) / n
+        return math.sqrt(sum((g - mean) ** 2 for g in self.seed_gaps) / (n - 1) / n)
 
 
 def seed_means(runs: list[dict]) -> list[dict]:
@@ -79,7 +89,10 @@ def points(runs: list[dict], kind: str = "subspace") -> list[Point]:
             theirs = mean_curve([dense["seeds"][s] for s in shared])
         for step, loss in ours:
             if step >= MIN_STEP:
-                out.append(Point(d, k, step, loss / loss_at(theirs, step) - 1))
+                seeds = tuple(
+                    loss_at(r["seeds"][s], step) / loss_at(dense["seeds"][s], step) - 1 for s in shared
+                )
+                out.append(Point(d, k, step, loss / loss_at(theirs, step) - 1, seeds))
     return out
 
 
@@ -119,7 +132,8 @@ def fit(pts: list[Point]) -> Law:
 
 
 def check(pts: list[Point]) -> tuple[Law, list[dict]]:
-    """The law on all points, its leave-one-grid-point-out errors at each point's final step."""
+    """The law on all points, its leave-one-grid-point-out errors at each point's final step (each
+    row with the measured gap's own standard error from its seeds: no law can be checked closer)."""
     law = fit(pts)
     rows = []
     for d, k in sorted({(p.d, p.k) for p in pts}):
@@ -129,7 +143,16 @@ def check(pts: list[Point]) -> tuple[Law, list[dict]]:
             predicted, _ = fit(rest).predict(d, k, final.step)
         except ValueError:  # the rest spans one width or one rank: this point cannot be left out
             continue
-        rows.append({"d": d, "k": k, "step": final.step, "gap": final.gap, "predicted": predicted})
+        rows.append(
+            {
+                "d": d,
+                "k": k,
+                "step": final.step,
+                "gap": final.gap,
+                "predicted": predicted,
+                "standard_error": final.standard_error,
+            }
+        )
     law.loo_error = max((abs(r["gap"] - r["predicted"]) for r in rows), default=0.0)
     return law, rows
 

@@ -85,3 +85,26 @@ def test_one_width_or_one_rank_cannot_be_fitted():
 def test_dense_exponent_is_the_loss_vs_steps_slope():
     losses = [5.0 * (200 * (i + 1)) ** -0.1 for i in range(5)]
     assert dense_exponent([entry(128, "dense", 0, 0, losses)]) == pytest.approx(0.1)
+
+
+def test_each_point_carries_its_seeds_own_gaps_and_their_standard_error():
+    """The leave-out check is only as good as the measured gaps: each point keeps every shared seed's
+    gap, and the check reports the final point's standard error (none from one seed)."""
+    runs = [
+        entry(128, "dense", 0, 0, [5.0, 4.0]),
+        entry(128, "dense", 0, 1, [5.0, 4.4]),
+        entry(128, "subspace", 8, 0, [5.0, 4.2]),
+        entry(128, "subspace", 8, 1, [5.0, 4.4]),
+        entry(256, "dense", 0, 0, [5.0, 4.0]),
+        entry(256, "subspace", 8, 0, [5.0, 4.1]),
+        entry(128, "subspace", 16, 0, [5.0, 4.1]),
+        entry(256, "subspace", 16, 0, [5.0, 4.0]),
+    ]
+    final = {(p.d, p.k): p for p in points(runs) if p.step == 400}
+    two = final[128, 8]
+    assert two.seed_gaps == (pytest.approx(0.05), pytest.approx(0.0))
+    assert two.standard_error == pytest.approx(0.025)  # sample sd 0.0354 over sqrt(2) seeds
+    assert final[256, 8].standard_error is None
+    _, left_out = check(points(runs))
+    by_point = {(r["d"], r["k"]): r["standard_error"] for r in left_out}
+    assert by_point[128, 8] == pytest.approx(0.025) and by_point[256, 8] is None
