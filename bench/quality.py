@@ -344,6 +344,8 @@ def curve(
         s = train(config, "auto", dataset, False, eval_batches=plan.eval_batches, resume=resume)
     except PayloadError as e:  # non-finite values reached a boundary: the variant diverged
         row = {"variant": v.name, "lever": v.lever, "diverged": str(e)}
+        if resume is not None:
+            resume.unlink(missing_ok=True)  # the row is final: nothing to resume
     else:
         row = _trained_row(v, config, s)
     if saved is not None:

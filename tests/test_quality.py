@@ -79,12 +79,15 @@ def test_paper_step_is_bound_by_the_slower_of_compute_and_link():
 def test_a_diverging_variant_is_recorded_not_fatal(tmp_path):
     """Non-finite values at a boundary end that variant's curve; the section goes on and says so."""
     model = dataclasses.replace(MODEL_PRESETS["tiny"], constrain_writes=False)
-    variant = Variant("exploding", model, CodecConfig("identity", "fp16", "fp16"), lever="lr 1e4")
-    train = TrainConfig(steps=6, batch_size=4, seq_len=32, microbatches=2, lr=1e4, warmup_steps=1)
+    variant = Variant("exploding", model, CodecConfig("identity", "fp16", "fp16"), lever="lr 3")
+    train = TrainConfig(
+        steps=12, batch_size=4, seq_len=32, microbatches=2, lr=3.0, warmup_steps=5, eval_every=1
+    )
     plan = QualityPlan(model, train, 2, ["exploding"], [], eval_batches=1)
     dataset = load_dataset(RunConfig(model=model, train=train, n_stages=1))
     row = curve(variant, plan, dataset, tmp_path, lambda _: None)
     assert "non-finite" in row["diverged"] and "val_curve" not in row
+    assert not list(tmp_path.glob("*.progress.pt"))  # its resumable state goes with it: the row is final
     assert curve(variant, plan, dataset, tmp_path, lambda _: None) == row  # cached like any curve
 
 
