@@ -130,12 +130,13 @@ def _seed_lines(rows: list[dict]) -> list[str]:
     ]
     for row in rows:
         finals = _finals(row)
-        shared = sorted(finals.keys() & dense.keys())
+        shared = [s for s in finals.keys() & dense.keys() if math.isfinite(finals[s] + dense[s])]
         mean = sum(finals.values()) / len(finals)
-        gap = sum(finals[s] for s in shared) / sum(dense[s] for s in shared) - 1 if shared else math.nan
+        gap = sum(finals[s] for s in shared) / sum(dense[s] for s in shared) - 1 if shared else None
         seeds = ", ".join(sorted(finals))
         losses = ", ".join(f"{loss:.3f}" for _, loss in sorted(finals.items()))
-        out.append(f"| {_name(row)} | {seeds} | {losses} | {mean:.3f} | {gap:+.1%} |")
+        gap_text = f"{gap:+.1%}" if gap is not None else "—"
+        out.append(f"| {_name(row)} | {seeds} | {losses} | {mean:.3f} | {gap_text} |")
     return out
 
 

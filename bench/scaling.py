@@ -505,11 +505,12 @@ def full(
     if "coef" in result["law"]:
         shape = {"n_layers": plan.n_layers, "vocab_size": plan.vocab_size}
         measured = measured_points(result["table"])
-        alphas = {  # steps to dense's loss with each optimizer use its own dense's exponent
-            optimizer: scaling_law.dense_exponent(runs)
-            for optimizer, runs in on_rule.items()
-            if any(r["kind"] == "dense" for r in runs)
-        }
+        alphas = {}  # steps to dense's loss with each optimizer use its own dense's exponent
+        for optimizer, runs in on_rule.items():
+            try:
+                alphas[optimizer] = scaling_law.dense_exponent(runs)
+            except ValueError:  # no dense curve with this optimizer (none ran, or all diverged)
+                continue
         result["law"] |= {
             "steps": plan.steps,
             "shape": shape,

@@ -148,6 +148,7 @@ def test_the_seed_table_compares_means_over_the_seeds_both_sides_ran():
         {"variant": "dense bf16", "seed_finals": {"0": 5.0, "1": 5.2}},
         {"variant": "one seed", "lr": 0.002, "seed_finals": {"0": 5.1}},
         {"variant": "two seeds", "lr": 0.002, "seed_finals": {"0": 5.0, "1": 5.4}},
+        {"variant": "one diverged", "lr": 0.002, "seed_finals": {"0": 5.1, "1": float("inf")}},
     ]
     table = {
         line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in _seed_lines(rows) if "|" in line
@@ -155,3 +156,4 @@ def test_the_seed_table_compares_means_over_the_seeds_both_sides_ran():
     assert table["one seed (lr 0.002)"][1:] == ["0", "5.100", "5.100", "+2.0% |"]
     assert table["two seeds (lr 0.002)"][1:] == ["0, 1", "5.000, 5.400", "5.200", "+2.0% |"]
     assert table["dense bf16"][-1] == "+0.0% |"
+    assert table["one diverged (lr 0.002)"][-1] == "+2.0% |"  # over the seed that did not diverge

@@ -78,7 +78,7 @@ class GapLaw:
     layers: int = 4
     vocab: int = 4096
     optimizer: str = "adamw"
-    alphas: dict[str, float] = field(default_factory=dict)
+    alphas: dict[str, float] = field(default_factory=dict, hash=False)
 
     def exponent(self, optimizer: str | None = None) -> float:
         """Dense's loss-vs-steps exponent with ``optimizer`` (None, or one the bench has no dense
