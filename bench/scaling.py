@@ -182,10 +182,14 @@ class Grid:
     ):
         self.plan, self.dataset, self.cache, self.progress = plan, dataset, cache, progress
         self.cached_only = cached_only  # report what was run; train nothing
-        self.results: list[dict] = []  # one entry per run, in the order first asked for
-        self._recorded: dict[str, dict] = {}  # run key -> its entry in ``results``
+        self._recorded: dict[str, dict] = {}  # run key -> its entry, in the order first asked for
         self.chosen: dict[tuple, float] = {}  # (d, method name, parametrisation) -> tuned lr
         self.swept: dict[tuple, dict[float, float]] = {}  # the same key -> lr -> the tune's score
+
+    @property
+    def results(self) -> list[dict]:
+        """One entry per run, in the order first asked for."""
+        return list(self._recorded.values())
 
     def loss(
         self, d: int, method: Method, lr: float, parametrisation: str = "mup", seed: int | None = None
@@ -216,7 +220,6 @@ class Grid:
             "compression": row.get("compression_vs_dense_bf16"),
             "seconds": time.perf_counter() - t0,
         }
-        self.results.append(entry)
         self._recorded[key] = entry
         return entry["final"]
 

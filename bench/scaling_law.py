@@ -13,6 +13,7 @@ of one curve are correlated, so the standard error alone is too small).
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 
 import torch
@@ -33,11 +34,9 @@ class Point:
     @property
     def standard_error(self) -> float | None:
         """The gap's standard error from its seeds' spread (None: fewer than two seeds)."""
-        n = len(self.seed_gaps)
-        if n < 2:
+        if len(self.seed_gaps) < 2:
             return None
-        mean = sum(self.seed_gaps) / n
-        return math.sqrt(sum((g - mean) ** 2 for g in self.seed_gaps) / (n - 1) / n)
+        return statistics.stdev(self.seed_gaps) / math.sqrt(len(self.seed_gaps))
 
 
 def seed_means(runs: list[dict]) -> list[dict]:
